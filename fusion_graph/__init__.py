@@ -1,0 +1,25 @@
+"""fusion-graph: a LangGraph agent that routes each step to a cloud or a local (llama-server) model."""
+
+from fusion_graph.context import FusionContext
+from fusion_graph.graph import build_graph, graph
+from fusion_graph.routing import Leg, Mode, RouteDecision, StepScore, StepSignals, decide_leg, score_step
+from fusion_graph.state import InputState, RouteRecord, State
+from fusion_graph.tools import TOOLS, make_workspace_tools
+
+__all__ = [
+    "TOOLS",
+    "FusionContext",
+    "InputState",
+    "Leg",
+    "Mode",
+    "RouteDecision",
+    "RouteRecord",
+    "State",
+    "StepScore",
+    "StepSignals",
+    "build_graph",
+    "decide_leg",
+    "graph",
+    "make_workspace_tools",
+    "score_step",
+]

@@ -1,0 +1,102 @@
+"""The fusion agent graph: plan on cloud, route each step by score, validate every batch.
+
+START -> plan -> tools -> route -> local | cloud -> tools -> ... -> END
+route -> repair (same leg) | step_limit | give_up
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from langchain_core.language_models import BaseChatModel
+from langchain_core.tools import BaseTool
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.state import CompiledStateGraph
+from langgraph.runtime import Runtime
+from langgraph.store.base import BaseStore
+
+from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.nodes import Nodes
+from fusion_graph.providers import Providers
+from fusion_graph.signals import TokenCounter, approximate_tokens
+from fusion_graph.state import InputState, State
+from fusion_graph.tools import TOOLS
+from fusion_graph.turn import continuation_route, last_ai, next_step, wants_tools
+
+GRAPH_NAME = "fusion"
+
+
+def after_model(state: State) -> Literal["tools", "__end__"]:
+    """An answer with tool calls goes to the tool node; a plain reply ends the turn."""
+    return "tools" if wants_tools(last_ai(state["messages"])) else "__end__"
+
+
+def make_router(count_tokens: TokenCounter):  # type: ignore[no-untyped-def]
+    """The routing edge after a tool batch: limits and repairs first, then the score."""
+
+    async def route(
+        state: State, runtime: Runtime[FusionContext]
+    ) -> Literal["local", "cloud", "repair", "step_limit", "give_up"]:
+        context = ensure_context(runtime.context)
+        if next_step(state) >= context.max_steps:
+            return "step_limit"
+        if state.get("repair_error"):
+            if state.get("repair_attempts", 0) >= context.max_repair_attempts:
+                return "give_up"
+            return "repair"
+        decision, _ = continuation_route(state, context, count_tokens)
+        return decision.leg
+
+    return route
+
+
+def build_graph(
+    *,
+    cloud_model: BaseChatModel | None = None,
+    local_model: BaseChatModel | None = None,
+    tools: Sequence[BaseTool] | None = None,
+    checkpointer: BaseCheckpointSaver[str] | None = None,
+    store: BaseStore | None = None,
+    count_tokens: TokenCounter = approximate_tokens,
+) -> CompiledStateGraph[State, FusionContext, InputState, State]:
+    """Build and compile the fusion graph.
+
+    Args:
+        cloud_model: Chat model of the cloud leg; ``None`` builds a ``ChatOpenAI``
+            from the run's context (key from the environment).
+        local_model: Chat model of the local leg; ``None`` builds a ``ChatOpenAI``
+            pointed at llama-server's ``local_base_url``.
+        tools: Tools bound to both legs; ``None`` means the workspace file tools.
+        checkpointer: Persistence for threads (leave ``None`` under the LangGraph server).
+        store: Long-term store (memories).
+        count_tokens: The token estimator used for every routing signal.
+    """
+    nodes = Nodes(
+        providers=Providers(cloud=cloud_model, local=local_model),
+        tools=TOOLS if tools is None else tools,
+        count_tokens=count_tokens,
+    )
+    builder = StateGraph(State, context_schema=FusionContext, input_schema=InputState)
+    builder.add_node("plan", nodes.plan)
+    builder.add_node("local", nodes.local)
+    builder.add_node("cloud", nodes.cloud)
+    builder.add_node("tools", nodes.tools)
+    builder.add_node("repair", nodes.repair)
+    builder.add_node("step_limit", nodes.step_limit)
+    builder.add_node("give_up", nodes.give_up)
+
+    builder.add_edge(START, "plan")
+    for executor in ("plan", "local", "cloud", "repair"):
+        builder.add_conditional_edges(executor, after_model, ["tools", END])
+    builder.add_conditional_edges(
+        "tools", make_router(count_tokens), ["local", "cloud", "repair", "step_limit", "give_up"]
+    )
+    builder.add_edge("step_limit", END)
+    builder.add_edge("give_up", END)
+    return builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME)
+
+
+#: The default graph for ``langgraph dev`` / LangGraph server (which bring their own checkpointer).
+graph = build_graph()

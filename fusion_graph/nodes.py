@@ -1,0 +1,204 @@
+"""The graph's nodes. Each gathers signals, calls the pure core, and records the result.
+
+All nodes are ``async`` and read configuration from ``runtime.context``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages.tool import ToolCall
+from langchain_core.tools import BaseTool
+from langgraph.runtime import Runtime
+
+from fusion_graph import prompts
+from fusion_graph.batch import plan_batch
+from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.executor import infer
+from fusion_graph.providers import Providers
+from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.signals import TokenCounter, turn_start
+from fusion_graph.state import State
+from fusion_graph.turn import continuation_route, last_ai, plan_route
+
+
+async def _run_call(tool: BaseTool, call: ToolCall) -> ToolMessage:
+    """Run one validated call; a tool's own failure becomes an error message, not a crash."""
+    try:
+        result = await tool.ainvoke(call)
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the model must see every tool failure
+        return ToolMessage(
+            content=f"Error: {type(error).__name__}: {error}",
+            tool_call_id=call["id"] or "",
+            name=call["name"],
+            status="error",
+        )
+    if isinstance(result, ToolMessage):
+        return result
+    return ToolMessage(content=str(result), tool_call_id=call["id"] or "", name=call["name"])
+
+
+class Nodes:
+    """Node functions bound to the graph's providers, tools and token estimator."""
+
+    def __init__(
+        self, *, providers: Providers, tools: Sequence[BaseTool], count_tokens: TokenCounter
+    ) -> None:
+        """Keep what every node needs."""
+        self.providers = providers
+        self.tool_list = list(tools)
+        self.tools_by_name = {tool.name: tool for tool in self.tool_list}
+        self.count_tokens = count_tokens
+
+    async def plan(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Step 0: form the plan and pick the first tool batch (cloud whenever cloud_share > 0)."""
+        context = ensure_context(runtime.context)
+        decision, signals = plan_route(state, context, self.count_tokens)
+        turn = state.get("turn", -1) + 1
+        provider = self.providers.for_leg(decision.leg, context)
+        answer, record = await infer(
+            kind="plan",
+            step=0,
+            turn=turn,
+            decision=decision,
+            signals=signals,
+            provider=provider,
+            messages=state["messages"],
+            tools=self.tool_list,
+            runtime=runtime,
+            context=context,
+            extra_system=prompts.PLAN_INSTRUCTIONS,
+        )
+        return {
+            "messages": [answer],
+            "route_log": [record],
+            "turn": turn,
+            "step": 0,
+            "leg": decision.leg,
+            "provider": record["provider"],
+            "notice": False,
+            "repair_attempts": 0,
+            "repair_error": None,
+        }
+
+    async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        context = ensure_context(runtime.context)
+        decision, signals = continuation_route(state, context, self.count_tokens)
+        if decision.leg != leg:  # the edge and the node read the same state
+            raise RuntimeError(f"routing edge chose {leg} but the decision now says {decision.leg}")
+        step = state.get("step", 0) + 1
+        provider = self.providers.for_leg(leg, context)
+        answer, record = await infer(
+            kind="step",
+            step=step,
+            turn=state.get("turn", 0),
+            decision=decision,
+            signals=signals,
+            provider=provider,
+            messages=state["messages"],
+            tools=self.tool_list,
+            runtime=runtime,
+            context=context,
+        )
+        return {
+            "messages": [answer],
+            "route_log": [record],
+            "step": step,
+            "leg": leg,
+            "provider": record["provider"],
+            "notice": False,
+        }
+
+    async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step on the local model (llama-server)."""
+        return await self._continue("local", state, runtime)
+
+    async def cloud(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step on the cloud model."""
+        return await self._continue("cloud", state, runtime)
+
+    async def repair(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Retry a malformed tool call on the leg that made it (read from state, never re-scored)."""
+        context = ensure_context(runtime.context)
+        leg: Leg = state.get("leg", "local")
+        attempt = state.get("repair_attempts", 0) + 1
+        step = state.get("step", 0) + 1
+        decision = RouteDecision(
+            leg=leg,
+            score=None,
+            threshold=None,
+            reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
+            f"kept on the {leg} leg that made it",
+        )
+        provider = self.providers.for_leg(leg, context)
+        answer, record = await infer(
+            kind="repair",
+            step=step,
+            turn=state.get("turn", 0),
+            decision=decision,
+            signals=None,
+            provider=provider,
+            messages=state["messages"],
+            tools=self.tool_list,
+            runtime=runtime,
+            context=context,
+        )
+        return {
+            "messages": [answer],
+            "route_log": [record],
+            "step": step,
+            "leg": leg,
+            "provider": record["provider"],
+            "repair_attempts": attempt,
+            "repair_error": None,
+        }
+
+    async def tools(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Validate the last answer's tool batch, then run what passed."""
+        context = ensure_context(runtime.context)
+        messages = state["messages"]
+        message = last_ai(messages)
+        if message is None:
+            raise RuntimeError("the tools node needs an AI message with tool calls last in state")
+        batch = plan_batch(
+            message,
+            tools=self.tools_by_name,
+            earlier_in_turn=messages[turn_start(messages) + 1 : -1],
+            max_calls=context.max_tool_calls_per_step,
+            loop_repeat_limit=context.loop_repeat_limit,
+        )
+        ran = await asyncio.gather(*(_run_call(self.tools_by_name[c["name"]], c) for c in batch.run))
+        replies: dict[str, ToolMessage] = {m.tool_call_id: m for m in ran}
+        for rejected in batch.rejected:
+            replies[rejected.call_id] = ToolMessage(
+                content=rejected.message, tool_call_id=rejected.call_id, name=rejected.name, status="error"
+            )
+        order = [c["id"] for c in message.tool_calls] + [c.get("id") for c in message.invalid_tool_calls]
+        ordered = [replies[i] for i in order if i is not None and i in replies]
+        ordered += [m for i, m in replies.items() if i not in order]
+        malformed = batch.malformed
+        update: dict[str, Any] = {
+            "messages": ordered,
+            "notice": batch.notice,
+            "repair_error": "; ".join(r.message for r in malformed) if malformed else None,
+        }
+        if not malformed:
+            update["repair_attempts"] = 0
+        return update
+
+    async def step_limit(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """End the turn at ``max_steps`` with a message saying so."""
+        context = ensure_context(runtime.context)
+        return {"messages": [AIMessage(prompts.STEP_LIMIT.format(max_steps=context.max_steps))]}
+
+    async def give_up(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """End the turn after ``max_repair_attempts`` failed repairs, with a clear message."""
+        text = prompts.REPAIR_EXHAUSTED.format(
+            attempts=state.get("repair_attempts", 0), error=state.get("repair_error") or "unknown"
+        )
+        return {"messages": [AIMessage(text)], "repair_error": None}

@@ -1,0 +1,33 @@
+"""Prompt text used by the graph's nodes."""
+
+SYSTEM_PROMPT = (
+    "You are a careful software agent working in a project workspace. Use the tools to "
+    "inspect and change files; prefer small, verifiable steps. When the task is done, "
+    "reply to the user without calling a tool."
+)
+
+PLAN_INSTRUCTIONS = (
+    "This is the planning step of the turn. State a short numbered plan, then issue the "
+    "first batch of tool calls it needs (or answer directly if no tool is needed)."
+)
+
+LOOP_CORRECTION = (
+    "Loop detected: the call {name}({args}) has now been requested {count} times in this "
+    "turn with identical arguments, so it was not run again. Use the earlier result, or "
+    "change approach."
+)
+
+TRIMMED = (
+    "Not executed: this step asked for {requested} tool calls and at most {limit} run per "
+    "step. Re-issue this call in the next step if it is still needed."
+)
+
+STEP_LIMIT = (
+    "I stopped after {max_steps} steps without finishing (the step limit of this turn). "
+    "Send another message to continue from here."
+)
+
+REPAIR_EXHAUSTED = (
+    "I could not produce a valid tool call after {attempts} repair attempts, so this turn "
+    "ended here. Last error: {error}"
+)

@@ -1,0 +1,59 @@
+"""Route records: one typed entry per inference, built from the decision and the answer."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from langchain_core.messages import AIMessage
+
+from fusion_graph.routing import Leg, RouteDecision, StepSignals
+from fusion_graph.state import RouteRecord, StepKind
+
+
+def usage_numbers(message: AIMessage) -> tuple[int | None, int | None, int | None]:
+    """``(prompt, cached, completion)`` tokens as the provider reported them, else ``None``."""
+    usage = message.usage_metadata
+    if not usage:
+        return None, None, None
+    details = usage.get("input_token_details") or {}
+    cached = details.get("cache_read")
+    return usage.get("input_tokens"), cached, usage.get("output_tokens")
+
+
+def make_record(
+    *,
+    turn: int,
+    step: int,
+    kind: StepKind,
+    leg: Leg,
+    decision: RouteDecision,
+    signals: StepSignals | None,
+    provider: str | None,
+    answer: AIMessage | None,
+    extra: dict[str, Any] | None = None,
+) -> RouteRecord:
+    """The ``route_log`` entry of one inference.
+
+    Token counts come from the provider's answer; ``cost_usd`` stays ``None``
+    until a priced provider fills it (never a guess).
+    """
+    prompt, cached, completion = usage_numbers(answer) if answer is not None else (None, None, None)
+    score = decision.score
+    return RouteRecord(
+        turn=turn,
+        step=step,
+        kind=kind,
+        leg=leg,
+        score=score.score if score is not None else None,
+        breakdown=score.breakdown() if score is not None else None,
+        threshold=decision.threshold,
+        reason=decision.reason,
+        signals=asdict(signals) if signals is not None else {},
+        provider=provider,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        cost_usd=None,
+        extra=extra or {},
+    )

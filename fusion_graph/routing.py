@@ -1,0 +1,180 @@
+"""The pure routing engine: the step score and the leg decision.
+
+Everything here is a pure function over plain data, so the graph, the replay
+benchmark and calibration all call the exact same code and any decision can be
+reproduced without a model.
+
+The score deliberately has **no prompt-cache input**. How many prompt tokens a
+step reused from llama-server's KV cache (``cached_tokens``) is only known
+*after* that step's call returns, so feeding it into the step's own route would
+be circular. Do not add it here; it belongs in the route log, not the score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Leg = Literal["local", "cloud"]
+Mode = Literal["cloud", "local", "fusion"]
+
+#: Points each normalised signal contributes. They sum to 100 so the score is
+#: directly comparable with the ``cloud_share`` dial (threshold ``100 - cloud_share``).
+WEIGHTS: dict[str, int] = {
+    "context_pressure": 40,
+    "turn_depth": 25,
+    "transient_notice": 20,
+    "tail_growth": 15,
+}
+assert sum(WEIGHTS.values()) == 100, "routing weights must sum to 100"
+
+DEFAULT_CLOUD_SHARE = 30
+DEFAULT_HYSTERESIS = 10
+
+
+@dataclass(frozen=True)
+class StepSignals:
+    """Raw signals for one step, all known after the prompt is built and before the call.
+
+    Attributes:
+        prompt_tokens: Estimated tokens of the prompt about to be sent.
+        conversation_max_tokens: Context budget of the conversation.
+        step: Index of the step within the turn (the plan is step 0).
+        max_steps: Step limit of the turn.
+        transient_notice: The loop detector fired or a batch was trimmed since
+            the previous step.
+        tool_output_tokens: Tokens of tool output accumulated in this turn.
+        stable_prefix_tokens: Tokens of the stable prefix (system prompt,
+            earlier turns, this turn's user message).
+    """
+
+    prompt_tokens: int
+    conversation_max_tokens: int
+    step: int
+    max_steps: int
+    transient_notice: bool
+    tool_output_tokens: int
+    stable_prefix_tokens: int
+
+
+@dataclass(frozen=True)
+class StepScore:
+    """A score with its four terms, in points (each term is ``weight × ratio``)."""
+
+    score: int
+    context_pressure: float
+    turn_depth: float
+    transient_notice: float
+    tail_growth: float
+
+    def breakdown(self) -> dict[str, float]:
+        """Points per term, keyed by term name."""
+        data = asdict(self)
+        data.pop("score")
+        return data
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """The leg a step runs on, and why.
+
+    ``score``/``threshold`` are ``None`` where no score applies (fixed modes,
+    step 0, repairs).
+    """
+
+    leg: Leg
+    score: StepScore | None
+    threshold: int | None
+    reason: str
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if denominator <= 0:
+        return 1.0 if numerator > 0 else 0.0
+    return min(max(numerator / denominator, 0.0), 1.0)
+
+
+def score_step(signals: StepSignals) -> StepScore:
+    """Score one step from 0 (mechanical) to 100 (needs the strongest model).
+
+    ``40 × context pressure + 25 × turn depth + 20 × transient notice + 15 × tail growth``,
+    each ratio clipped to [0, 1]. See the module docstring for why cached
+    tokens are not an input.
+    """
+    ratios = {
+        "context_pressure": _ratio(signals.prompt_tokens, signals.conversation_max_tokens),
+        "turn_depth": _ratio(signals.step, signals.max_steps),
+        "transient_notice": 1.0 if signals.transient_notice else 0.0,
+        "tail_growth": _ratio(signals.tool_output_tokens, signals.stable_prefix_tokens),
+    }
+    points = {name: round(WEIGHTS[name] * ratio, 2) for name, ratio in ratios.items()}
+    total = sum(WEIGHTS[name] * ratio for name, ratio in ratios.items())
+    score = min(100, max(0, int(total + 0.5)))
+    return StepScore(score=score, **points)
+
+
+def cloud_threshold(cloud_share: int) -> int:
+    """The base threshold ``T = 100 - cloud_share``: a score at or above it wants cloud."""
+    return 100 - cloud_share
+
+
+def decide_leg(
+    *,
+    mode: Mode,
+    step: int,
+    current_leg: Leg | None,
+    score: StepScore | None,
+    cloud_share: int = DEFAULT_CLOUD_SHARE,
+    hysteresis: int = DEFAULT_HYSTERESIS,
+) -> RouteDecision:
+    """Pick the leg of one step.
+
+    ``cloud``/``local`` modes pin every step. In ``fusion``: ``cloud_share == 0``
+    never goes cloud; step 0 (the plan) goes cloud whenever ``cloud_share > 0``;
+    a continuation from a local leg goes cloud iff ``score >= min(T + h, 100)``;
+    a continuation from a cloud leg stays cloud iff ``score >= T - h``.
+
+    The hysteresis keeps runs of local steps long: llama-server reuses its KV
+    cache by longest common prefix, so flipping legs every step would make it
+    reprocess the tail that grew while the other leg ran.
+
+    Args:
+        mode: ``cloud``, ``local`` or ``fusion``.
+        step: Index of the step in the turn (0 is the plan).
+        current_leg: Leg of the previous inference in the turn (``None`` at step 0).
+        score: The step's score; required for fusion continuations.
+        cloud_share: The dial, 0-100.
+        hysteresis: Half-width of the dead band around the threshold.
+    """
+    if not 0 <= cloud_share <= 100:
+        raise ValueError(f"cloud_share must be between 0 and 100, got {cloud_share}")
+    if hysteresis < 0:
+        raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+    if mode == "cloud":
+        return RouteDecision("cloud", score, None, "mode=cloud: every step runs on cloud")
+    if mode == "local":
+        return RouteDecision("local", score, None, "mode=local: every step runs locally")
+    if mode != "fusion":
+        raise ValueError(f"mode must be one of 'cloud', 'local', 'fusion', got {mode!r}")
+    if cloud_share == 0:
+        return RouteDecision("local", score, None, "cloud_share=0: never cloud")
+    if step == 0:
+        return RouteDecision(
+            "cloud", score, None, f"step 0 (plan) runs on cloud because cloud_share={cloud_share} > 0"
+        )
+    if score is None:
+        raise ValueError("fusion continuation steps need a score")
+    base = cloud_threshold(cloud_share)
+    if current_leg == "cloud":
+        threshold = max(base - hysteresis, 0)
+        if score.score >= threshold:
+            reason = f"score {score.score} >= {threshold} (T={base} - h={hysteresis}): stay on cloud"
+            return RouteDecision("cloud", score, threshold, reason)
+        reason = f"score {score.score} < {threshold} (T={base} - h={hysteresis}): back to local"
+        return RouteDecision("local", score, threshold, reason)
+    threshold = min(base + hysteresis, 100)
+    if score.score >= threshold:
+        reason = f"score {score.score} >= {threshold} (T={base} + h={hysteresis}): escalate to cloud"
+        return RouteDecision("cloud", score, threshold, reason)
+    reason = f"score {score.score} < {threshold} (T={base} + h={hysteresis}): stay local"
+    return RouteDecision("local", score, threshold, reason)

@@ -1,0 +1,68 @@
+"""Graph state: what the caller sends in, and what the graph keeps per thread."""
+
+from __future__ import annotations
+
+import operator
+from typing import Annotated, Any, Literal
+
+from langchain_core.messages import AnyMessage
+from langgraph.graph.message import add_messages
+
+# NOTE: typing_extensions.TypedDict, not typing.TypedDict: on Python 3.11 the
+# LangGraph server's schema endpoint rejects the latter.
+from typing_extensions import NotRequired, TypedDict  # noqa: UP035
+
+from fusion_graph.routing import Leg
+
+StepKind = Literal["plan", "step", "repair"]
+
+
+class RouteRecord(TypedDict):
+    """One inference of a turn: where it ran, why, who answered and what it cost.
+
+    Token and cost fields come from the answering provider's own report, or
+    are ``None`` when it reported nothing: never an estimate.
+    """
+
+    turn: int
+    step: int
+    kind: StepKind
+    leg: Leg
+    score: int | None
+    breakdown: dict[str, float] | None
+    threshold: int | None
+    reason: str
+    signals: dict[str, Any]
+    provider: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    cost_usd: float | None
+    extra: dict[str, Any]
+
+
+class InputState(TypedDict):
+    """What a caller sends: new messages (usually one user message)."""
+
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+class State(InputState):
+    """Per-thread state; everything except ``messages`` is managed by the graph."""
+
+    route_log: NotRequired[Annotated[list[RouteRecord], operator.add]]
+    # NOTE: the fields below describe the turn in progress and are reset by `plan`.
+    turn: NotRequired[int]
+    """Index of the current turn in the thread (0-based)."""
+    step: NotRequired[int]
+    """Index of the last inference in this turn (the plan is 0)."""
+    leg: NotRequired[Leg]
+    """Leg of the last inference: hysteresis reads it, repairs reuse it."""
+    provider: NotRequired[str | None]
+    """Provider that answered the last inference (repairs prefer it)."""
+    notice: NotRequired[bool]
+    """A batch was trimmed or the loop detector fired since the previous step."""
+    repair_attempts: NotRequired[int]
+    """Consecutive repairs of malformed tool calls in this turn."""
+    repair_error: NotRequired[str | None]
+    """Why the last batch needs repair (``None`` when it was valid)."""
