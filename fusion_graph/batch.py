@@ -113,8 +113,11 @@ def plan_batch(
             Rejected(
                 call_id=bad.get("id") or "",
                 name=bad.get("name") or "",
-                message=f"Malformed tool call {bad.get('name')!r}: "
-                f"{bad.get('error') or 'arguments are not valid JSON'}. Raw arguments: {bad.get('args')!r}. Send the call again with valid JSON arguments.",
+                message=(
+                    f"Malformed tool call {bad.get('name')!r}: "
+                    f"{bad.get('error') or 'arguments are not valid JSON'}. "
+                    f"Raw arguments: {bad.get('args')!r}. Send the call again with valid JSON arguments."
+                ),
                 malformed=True,
             )
         )

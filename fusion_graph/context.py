@@ -46,7 +46,7 @@ DEFAULTS: dict[str, Any] = {}
 
 def _f(name: str, default: Any, description: str) -> Any:
     DEFAULTS[name] = default
-    return Field(default_factory=_env(name, default), description=description)
+    return Field(default_factory=_env(name, default), description=description, validate_default=True)
 
 
 @dataclass(kw_only=True, config={"validate_assignment": True})
@@ -115,6 +115,17 @@ class FusionContext:
         "local_base_url",
         "http://127.0.0.1:8080/v1",
         "OpenAI-compatible base URL of llama-server (ends in /v1).",
+    )
+    local_slots: Annotated[int, Field(ge=0, le=1024)] = _f(
+        "local_slots",
+        0,
+        "llama-server slots (its -np). 0 asks the server (GET /props -> total_slots).",
+    )
+    reserve_reflection_slot: bool = _f(
+        "reserve_reflection_slot",
+        True,
+        "Keep llama-server's last slot for memory sub-runners so they never evict a "
+        "conversation's cached prefix.",
     )
     request_timeout: Annotated[float, Field(gt=0)] = _f(
         "request_timeout", 120.0, "Seconds before a model request is abandoned."

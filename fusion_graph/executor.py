@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
-from langchain_core.runnables import RunnableConfig
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import merge_configs
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
@@ -23,6 +23,7 @@ from fusion_graph.providers import Provider
 from fusion_graph.records import make_record
 from fusion_graph.routing import RouteDecision, StepSignals
 from fusion_graph.signals import build_prompt
+from fusion_graph.slots import slot_body
 from fusion_graph.state import RouteRecord, StepKind
 
 ROUTE_EVENT = "fusion_route"
@@ -57,14 +58,19 @@ async def infer(
     tools: Sequence[BaseTool],
     runtime: Runtime[FusionContext],
     context: FusionContext,
-    extra_system: str = "",
+    slot: int | None = None,
 ) -> tuple[AIMessage, RouteRecord]:
-    """Run one inference on ``provider`` and return its answer and route record."""
-    system = context.system_prompt + (f"\n\n{extra_system}" if extra_system else "")
-    prompt = build_prompt(system, messages)
-    if not context.system_prompt and extra_system:
-        prompt = [SystemMessage(extra_system), *messages]
-    model = provider.model.bind_tools(list(tools)) if tools else provider.model
+    """Run one inference on ``provider`` and return its answer and route record.
+
+    ``slot`` pins a llama-server slot; it is sent (with ``cache_prompt``) only
+    when the step was routed to the local leg.
+    """
+    # Every inference of a thread sends the same system prompt, so the prefix is stable.
+    prompt = build_prompt(context.system_prompt, messages)
+    model: Runnable[Any, Any] = provider.model.bind_tools(list(tools)) if tools else provider.model
+    body = slot_body(decision.leg, slot)
+    if body is not None:
+        model = model.bind(extra_body=body)
     config = merge_configs(get_config(), _call_config(kind, decision, step, provider))
     answer = await model.ainvoke(prompt, config=config)
     if not isinstance(answer, AIMessage):
@@ -78,6 +84,7 @@ async def infer(
         signals=signals,
         provider=provider.id,
         answer=answer,
+        slot=slot if body is not None else None,
     )
     runtime.stream_writer({"event": ROUTE_EVENT, **record})
     return answer, record

@@ -11,14 +11,16 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.messages.tool import ToolCall
+from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
+from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
 from fusion_graph.batch import plan_batch
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.executor import infer
-from fusion_graph.providers import Providers
+from fusion_graph.providers import Provider, Providers
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.signals import TokenCounter, turn_start
 from fusion_graph.state import State
@@ -43,6 +45,11 @@ async def _run_call(tool: BaseTool, call: ToolCall) -> ToolMessage:
     return ToolMessage(content=str(result), tool_call_id=call["id"] or "", name=call["name"])
 
 
+def thread_id_of(config: RunnableConfig) -> str:
+    """The conversation's id (``configurable.thread_id``); one shared id when absent."""
+    return str(config.get("configurable", {}).get("thread_id") or "default")
+
+
 class Nodes:
     """Node functions bound to the graph's providers, tools and token estimator."""
 
@@ -55,6 +62,11 @@ class Nodes:
         self.tools_by_name = {tool.name: tool for tool in self.tool_list}
         self.count_tokens = count_tokens
 
+    async def _slot(self, provider: Provider, context: FusionContext) -> int | None:
+        """This conversation's llama-server slot when ``provider`` is one, else ``None``."""
+        pool = await self.providers.slot_pool(provider, context)
+        return pool.slot_for(thread_id_of(get_config())) if pool is not None else None
+
     async def plan(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """Step 0: form the plan and pick the first tool batch (cloud whenever cloud_share > 0)."""
         context = ensure_context(runtime.context)
@@ -62,6 +74,7 @@ class Nodes:
         turn = state.get("turn", -1) + 1
         provider = self.providers.for_leg(decision.leg, context)
         answer, record = await infer(
+            slot=await self._slot(provider, context),
             kind="plan",
             step=0,
             turn=turn,
@@ -72,7 +85,6 @@ class Nodes:
             tools=self.tool_list,
             runtime=runtime,
             context=context,
-            extra_system=prompts.PLAN_INSTRUCTIONS,
         )
         return {
             "messages": [answer],
@@ -94,6 +106,7 @@ class Nodes:
         step = state.get("step", 0) + 1
         provider = self.providers.for_leg(leg, context)
         answer, record = await infer(
+            slot=await self._slot(provider, context),
             kind="step",
             step=step,
             turn=state.get("turn", 0),
@@ -137,6 +150,7 @@ class Nodes:
         )
         provider = self.providers.for_leg(leg, context)
         answer, record = await infer(
+            slot=await self._slot(provider, context),
             kind="repair",
             step=step,
             turn=state.get("turn", 0),

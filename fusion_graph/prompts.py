@@ -1,14 +1,14 @@
 """Prompt text used by the graph's nodes."""
 
+# NOTE: planning guidance lives in the system prompt, not in a plan-only message:
+# every step of a turn must share the same prefix, or llama-server's prefix cache
+# breaks at the first differing token.
 SYSTEM_PROMPT = (
-    "You are a careful software agent working in a project workspace. Use the tools to "
-    "inspect and change files; prefer small, verifiable steps. When the task is done, "
-    "reply to the user without calling a tool."
-)
-
-PLAN_INSTRUCTIONS = (
-    "This is the planning step of the turn. State a short numbered plan, then issue the "
-    "first batch of tool calls it needs (or answer directly if no tool is needed)."
+    "You are a careful software agent working in a project workspace. When a new user "
+    "request arrives, first state a short numbered plan, then issue the first batch of tool "
+    "calls it needs (or answer directly if no tool is needed). Use the tools to inspect and "
+    "change files; prefer small, verifiable steps. When the task is done, reply to the user "
+    "without calling a tool."
 )
 
 LOOP_CORRECTION = (

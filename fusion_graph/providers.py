@@ -16,7 +16,9 @@ from langchain_core.language_models import BaseChatModel
 from langchain_openai import ChatOpenAI
 
 from fusion_graph.context import FusionContext
+from fusion_graph.llama import ChatLlamaServer, fetch_total_slots
 from fusion_graph.routing import Leg
+from fusion_graph.slots import SlotPool
 
 #: llama-server ignores the key, but the OpenAI client insists on one.
 LOCAL_API_KEY = "sk-no-key-required"
@@ -33,6 +35,13 @@ class Provider:
     id: str
     leg: Leg
     model: BaseChatModel
+
+    @property
+    def base_url(self) -> str | None:
+        """The OpenAI-compatible base URL when the model speaks that wire format."""
+        if isinstance(self.model, ChatOpenAI):
+            return self.model.openai_api_base or None
+        return None
 
 
 def model_name(model: BaseChatModel) -> str:
@@ -67,7 +76,7 @@ def build_cloud_model(context: FusionContext) -> BaseChatModel:
 
 def build_local_model(context: FusionContext) -> BaseChatModel:
     """The local leg's default model: llama-server's OpenAI-compatible API."""
-    return ChatOpenAI(
+    return ChatLlamaServer(
         model=context.local_model,
         base_url=context.local_base_url,
         api_key=LOCAL_API_KEY,
@@ -85,6 +94,7 @@ class Providers:
         """Keep injected models; legs without one are built from the context on use."""
         self._injected: dict[Leg, BaseChatModel | None] = {"cloud": cloud, "local": local}
         self._built: dict[tuple[Any, ...], Provider] = {}
+        self._pools: dict[tuple[str, int, bool], SlotPool] = {}
 
     def for_leg(self, leg: Leg, context: FusionContext) -> Provider:
         """The provider serving ``leg`` under ``context``."""
@@ -107,3 +117,25 @@ class Providers:
             provider = Provider(id=f"{leg}:{model_name(model)}", leg=leg, model=model)
             self._built[key] = provider
         return provider
+
+    async def slot_pool(self, provider: Provider, context: FusionContext) -> SlotPool | None:
+        """The slot pool of a local provider, or ``None`` when it is not an HTTP llama-server.
+
+        The slot count is ``context.local_slots`` when set, else the server's own
+        ``total_slots`` (asked once per base URL). Pools live as long as the graph,
+        so live threads keep their slots.
+        """
+        url = provider.base_url
+        if provider.leg != "local" or url is None:
+            return None
+        reserve = context.reserve_reflection_slot
+        known = [pool for (u, _, r), pool in self._pools.items() if u == url and r == reserve]
+        if not context.local_slots and known:
+            return known[0]
+        total = context.local_slots or await fetch_total_slots(
+            url, timeout=min(context.request_timeout, 10.0)
+        )
+        key = (url, total, reserve)
+        if key not in self._pools:
+            self._pools[key] = SlotPool(total, reserve_reflection=reserve)
+        return self._pools[key]

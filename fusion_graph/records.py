@@ -21,6 +21,14 @@ def usage_numbers(message: AIMessage) -> tuple[int | None, int | None, int | Non
     return usage.get("input_tokens"), cached, usage.get("output_tokens")
 
 
+def timings_numbers(message: AIMessage) -> tuple[int | None, int | None, float | None]:
+    """``(processed, reused, prompt_ms)`` from llama-server's ``timings``, else ``None``."""
+    timings = message.response_metadata.get("timings")
+    if not isinstance(timings, dict):
+        return None, None, None
+    return timings.get("prompt_n"), timings.get("cache_n"), timings.get("prompt_ms")
+
+
 def make_record(
     *,
     turn: int,
@@ -31,6 +39,7 @@ def make_record(
     signals: StepSignals | None,
     provider: str | None,
     answer: AIMessage | None,
+    slot: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> RouteRecord:
     """The ``route_log`` entry of one inference.
@@ -39,6 +48,9 @@ def make_record(
     until a priced provider fills it (never a guess).
     """
     prompt, cached, completion = usage_numbers(answer) if answer is not None else (None, None, None)
+    processed, reused, prompt_ms = timings_numbers(answer) if answer is not None else (None, None, None)
+    if cached is None:
+        cached = reused
     score = decision.score
     return RouteRecord(
         turn=turn,
@@ -55,5 +67,8 @@ def make_record(
         cached_tokens=cached,
         completion_tokens=completion,
         cost_usd=None,
+        slot=slot,
+        processed_tokens=processed,
+        prompt_ms=prompt_ms,
         extra=extra or {},
     )

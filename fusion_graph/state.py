@@ -38,6 +38,12 @@ class RouteRecord(TypedDict):
     cached_tokens: int | None
     completion_tokens: int | None
     cost_usd: float | None
+    slot: int | None
+    """llama-server slot of a local step (``None`` on cloud)."""
+    processed_tokens: int | None
+    """Prompt tokens the local server actually processed (``timings.prompt_n``)."""
+    prompt_ms: float | None
+    """Local prefill time (``timings.prompt_ms``); comparable only within one run."""
     extra: dict[str, Any]
 
 

@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 from langchain_core.tools import BaseTool, ToolException, tool
-from langgraph.runtime import get_runtime
+from langgraph.runtime import Runtime, get_runtime
 
 from fusion_graph.context import FusionContext, ensure_context
 
@@ -40,14 +40,18 @@ def resolve_in_workspace(root: Path, path: str) -> Path:
 
 def _runtime_root() -> Path:
     """The workspace root of the current graph run (``FusionContext.workspace_root``)."""
+    # Outside any runnable ``get_config`` raises; inside a plain ``tool.ainvoke``
+    # (no graph) there is a config but no runtime in it, so ``get_runtime`` gives None.
     try:
-        context = get_runtime(FusionContext).context
-    except RuntimeError as error:
+        runtime: Runtime[FusionContext] | None = get_runtime(FusionContext)
+    except RuntimeError:
+        runtime = None
+    if runtime is None:
         raise WorkspaceError(
             "no workspace root: run this tool inside the graph or build it with "
             "make_workspace_tools(root=...)"
-        ) from error
-    return Path(ensure_context(context).workspace_root)
+        )
+    return Path(ensure_context(runtime.context).workspace_root)
 
 
 def _read(root: Path, path: str, start_line: int, end_line: int | None) -> str:

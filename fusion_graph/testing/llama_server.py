@@ -89,6 +89,9 @@ def build_script() -> Path | None:
 
 
 def _how_to_build() -> str:
+    explicit = os.environ.get("LLAMA_SERVER_BIN")
+    if explicit:
+        return f"LLAMA_SERVER_BIN={explicit} is not an executable file; fix or unset it"
     script = build_script()
     where = str(script) if script else str(_BUILD_SCRIPT)
     return (
@@ -121,7 +124,9 @@ def ensure_llama_server(build: bool = False) -> Path:
         )
     result = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True, check=False)
     if result.returncode != 0:
-        raise LlamaServerUnavailable(f"{script} failed with exit code {result.returncode}; see its output above")
+        raise LlamaServerUnavailable(
+            f"{script} failed with exit code {result.returncode}; see its output above"
+        )
     built = Path(result.stdout.strip().splitlines()[-1]) / "bin" / "llama-server"
     if not _executable(built):
         raise LlamaServerUnavailable(f"{script} finished but {built} is not an executable")
@@ -146,7 +151,9 @@ def vocab_dir() -> Path:
     for candidate in candidates:
         if any(candidate.glob("ggml-vocab-*.gguf")):
             return candidate
-    raise LlamaServerUnavailable(f"no llama.cpp vocab files in {' or '.join(map(str, candidates))}; {_how_to_build()}")
+    raise LlamaServerUnavailable(
+        f"no llama.cpp vocab files in {' or '.join(map(str, candidates))}; {_how_to_build()}"
+    )
 
 
 def vocab_path(name: str = "qwen2") -> Path:
@@ -169,7 +176,12 @@ def chat_template(name: str) -> str:
 def _help_text(binary: Path) -> str:
     """``llama-server --help`` output, to probe which flags this build has."""
     result = subprocess.run(
-        [str(binary), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30, check=False
+        [str(binary), "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=30,
+        check=False,
     )
     return result.stdout
 
@@ -349,7 +361,9 @@ class LlamaServer:
                 assert self._proc is not None
                 code = self._proc.poll()
                 if code is not None:
-                    raise LlamaServerError(self._failure(f"llama-server exited with code {code} during startup"))
+                    raise LlamaServerError(
+                        self._failure(f"llama-server exited with code {code} during startup")
+                    )
                 try:
                     if client.get("/health").status_code == 200:
                         return
@@ -417,7 +431,7 @@ class LlamaServer:
             return False
 
     def props(self) -> dict[str, Any]:
-        """``GET /props``: ``total_slots``, ``default_generation_settings``, chat template, …"""
+        """``GET /props``: ``total_slots``, ``default_generation_settings``, the chat template."""
         data: dict[str, Any] = self._get("/props").json()
         return data
 

@@ -119,7 +119,11 @@ def read_tokenizer_metadata(vocab_gguf: Path) -> list[_KV]:
 
 
 def _rng_tensor(
-    rng: np.random.Generator, shape: tuple[int, ...], *, std: float, dtype: type[np.floating[Any]] = np.float32
+    rng: np.random.Generator,
+    shape: tuple[int, ...],
+    *,
+    std: float,
+    dtype: type[np.floating[Any]] = np.float32,
 ) -> npt.NDArray[Any]:
     """Gaussian noise of ``shape`` (numpy order, i.e. ggml ``ne`` reversed)."""
     return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)

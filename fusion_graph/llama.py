@@ -1,0 +1,84 @@
+"""llama-server as the local leg: its chat model and its ``/props`` discovery.
+
+``ChatLlamaServer`` is ``ChatOpenAI`` that keeps llama-server's ``timings``
+object (``prompt_n`` processed, ``cache_n`` reused, ``prompt_ms``), which
+langchain-openai otherwise drops, in the answer's ``response_metadata``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_openai import ChatOpenAI
+
+START_HINT = (
+    "start one with: llama-server -m MODEL.gguf --jinja -np 4 -c 32768 --port 8080 "
+    "(explicit -np keeps one KV cache per slot; context per slot is -c / -np)"
+)
+
+
+class LlamaServerUnavailable(ConnectionError):
+    """llama-server could not be reached; the message names the URL and how to start one."""
+
+
+def server_root(base_url: str) -> str:
+    """``http://host:port`` from an OpenAI-style ``.../v1`` base URL."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
+    """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``)."""
+    url = server_root(base_url) + "/props"
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            response = await client.get(url)
+            response.raise_for_status()
+            total = response.json().get("total_slots")
+    except (httpx.HTTPError, ValueError) as error:
+        raise LlamaServerUnavailable(f"cannot read {url} ({error!r}); {START_HINT}") from error
+    if not isinstance(total, int) or total < 1:
+        raise LlamaServerUnavailable(f"{url} did not report total_slots; is this llama-server?")
+    return total
+
+
+def timings_of(payload: Any) -> dict[str, Any] | None:
+    """The ``timings`` object of a llama-server response or stream chunk, if any."""
+    if isinstance(payload, openai.BaseModel):
+        payload = payload.model_dump()
+    if isinstance(payload, dict):
+        timings = payload.get("timings")
+        if isinstance(timings, dict):
+            return timings
+    return None
+
+
+class ChatLlamaServer(ChatOpenAI):
+    """``ChatOpenAI`` for llama-server that keeps its ``timings`` in ``response_metadata``."""
+
+    def _create_chat_result(
+        self, response: dict[str, Any] | openai.BaseModel, generation_info: dict[str, Any] | None = None
+    ) -> ChatResult:
+        result = super()._create_chat_result(response, generation_info)
+        timings = timings_of(response)
+        if timings is not None:
+            for generation in result.generations:
+                generation.message.response_metadata["timings"] = timings
+        return result
+
+    def _convert_chunk_to_generation_chunk(
+        self,
+        chunk: dict[str, Any],
+        default_chunk_class: type,
+        base_generation_info: dict[str, Any] | None,
+    ) -> ChatGenerationChunk | None:
+        generation = super()._convert_chunk_to_generation_chunk(
+            chunk, default_chunk_class, base_generation_info
+        )
+        timings = timings_of(chunk)
+        if generation is not None and timings is not None:
+            generation.message.response_metadata["timings"] = timings
+        return generation

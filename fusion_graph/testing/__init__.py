@@ -1,0 +1,43 @@
+"""Test harness: a real ``llama-server`` and a tiny model for it to serve.
+
+Kept inside the package (not under ``tests/``) so benchmarks, notebooks and
+downstream projects can start the same server the integration tests use.
+Nothing here is imported by ``fusion_graph`` itself; ``gguf`` and ``numpy``
+are only needed when a model is generated.
+"""
+
+from fusion_graph.testing.llama_server import (
+    DEFAULT_LLAMA_CPP_PYTHON_VERSION,
+    LlamaServer,
+    LlamaServerError,
+    LlamaServerUnavailable,
+    build_script,
+    cache_dir,
+    chat_template,
+    ensure_llama_server,
+    find_llama_server,
+    free_port,
+    supports_flag,
+    vocab_dir,
+    vocab_path,
+)
+from fusion_graph.testing.tiny_model import SUPPORTED_ARCHS, read_tokenizer_metadata, write_tiny_model
+
+__all__ = [
+    "DEFAULT_LLAMA_CPP_PYTHON_VERSION",
+    "SUPPORTED_ARCHS",
+    "LlamaServer",
+    "LlamaServerError",
+    "LlamaServerUnavailable",
+    "build_script",
+    "cache_dir",
+    "chat_template",
+    "ensure_llama_server",
+    "find_llama_server",
+    "free_port",
+    "read_tokenizer_metadata",
+    "supports_flag",
+    "vocab_dir",
+    "vocab_path",
+    "write_tiny_model",
+]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One-command set-up on a fresh machine: build tools, a virtual environment with
+# the package and its dev extra, and the llama-server used by integration tests
+# and benchmarks (built once, then cached).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v make >/dev/null 2>&1 || need_apt+=(make)
+if ((${#need_apt[@]})); then
+  if [[ $(id -u) -eq 0 ]]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+  else
+    echo "missing build tools: ${need_apt[*]} (install them with your package manager)" >&2
+    exit 1
+  fi
+fi
+
+PYTHON="${PYTHON:-python3}"
+[[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e ".[dev]"
+PYTHON=.venv/bin/python bash scripts/build_llama_server.sh

@@ -1,0 +1,62 @@
+"""Shared fixtures: unit tests never reach the network and never see FUSION_* settings."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Any
+
+import pytest
+
+
+class NetworkBlockedError(RuntimeError):
+    """A unit test tried to open a non-loopback connection."""
+
+
+def is_loopback(family: int, address: Any) -> bool:
+    """Whether ``address`` (as passed to ``socket.connect``) stays on this machine."""
+    if getattr(socket, "AF_UNIX", None) is not None and family == socket.AF_UNIX:
+        return True
+    host = address[0] if isinstance(address, tuple) else address
+    if isinstance(host, bytes):
+        host = host.decode()
+    if not isinstance(host, str):
+        return False
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refuse every connection that is not to 127.0.0.0/8, ::1 or a unix socket."""
+    real_connect = socket.socket.connect
+    real_connect_ex = socket.socket.connect_ex
+
+    def guard(sock: socket.socket, address: Any) -> None:
+        if not is_loopback(sock.family, address):
+            raise NetworkBlockedError(f"unit tests may not connect to {address!r} (loopback only)")
+
+    def connect(self: socket.socket, address: Any) -> None:
+        guard(self, address)
+        return real_connect(self, address)
+
+    def connect_ex(self: socket.socket, address: Any) -> int:
+        guard(self, address)
+        return real_connect_ex(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+
+
+@pytest.fixture(autouse=True)
+def _clear_fusion_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from the built-in defaults, whatever the shell exported."""
+    for name in list(os.environ):
+        if name.startswith("FUSION_"):
+            monkeypatch.delenv(name)

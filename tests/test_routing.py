@@ -1,0 +1,267 @@
+"""The pure routing engine: the step score and the leg decision."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+
+from fusion_graph import routing
+from fusion_graph.routing import (
+    WEIGHTS,
+    Leg,
+    StepScore,
+    StepSignals,
+    cloud_threshold,
+    decide_leg,
+    score_step,
+)
+
+
+def sig(**overrides: object) -> StepSignals:
+    """Signals that score 0, with ``overrides`` applied."""
+    base: dict[str, object] = {
+        "prompt_tokens": 0,
+        "conversation_max_tokens": 1000,
+        "step": 0,
+        "max_steps": 10,
+        "transient_notice": False,
+        "tool_output_tokens": 0,
+        "stable_prefix_tokens": 100,
+    }
+    base.update(overrides)
+    return StepSignals(**base)  # type: ignore[arg-type]
+
+
+def score_of(value: int) -> StepScore:
+    """A score object with the given total (the terms do not matter to ``decide_leg``)."""
+    return StepScore(score=value, context_pressure=0, turn_depth=0, transient_notice=0, tail_growth=0)
+
+
+SATURATED = {
+    "context_pressure": {"prompt_tokens": 1000},
+    "turn_depth": {"step": 10},
+    "transient_notice": {"transient_notice": True},
+    "tail_growth": {"tool_output_tokens": 100},
+}
+
+# --------------------------------------------------------------------------- score
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        pytest.param({}, 0, id="all-zero"),
+        pytest.param(SATURATED["context_pressure"], 40, id="context-pressure-alone"),
+        pytest.param(SATURATED["turn_depth"], 25, id="turn-depth-alone"),
+        pytest.param(SATURATED["transient_notice"], 20, id="notice-alone"),
+        pytest.param(SATURATED["tail_growth"], 15, id="tail-growth-alone"),
+        pytest.param({k: v for d in SATURATED.values() for k, v in d.items()}, 100, id="all-saturated"),
+        pytest.param({"prompt_tokens": 50_000}, 40, id="pressure-clipped"),
+        pytest.param({"step": 99}, 25, id="depth-clipped"),
+        pytest.param({"tool_output_tokens": 10_000}, 15, id="tail-clipped"),
+        pytest.param(
+            {"prompt_tokens": 9e9, "step": 999, "transient_notice": True, "tool_output_tokens": 9e9},
+            100,
+            id="everything-clipped",
+        ),
+        pytest.param({"prompt_tokens": -500, "tool_output_tokens": -5}, 0, id="negatives-clipped-to-0"),
+        pytest.param({"conversation_max_tokens": 0, "prompt_tokens": 1}, 40, id="zero-budget-with-prompt"),
+        pytest.param({"conversation_max_tokens": 0}, 0, id="zero-budget-empty-prompt"),
+        pytest.param({"max_steps": 0, "step": 0}, 0, id="zero-max-steps-at-step-0"),
+        pytest.param({"max_steps": 0, "step": 1}, 25, id="zero-max-steps-later"),
+        pytest.param({"stable_prefix_tokens": 0, "tool_output_tokens": 1}, 15, id="zero-prefix-with-output"),
+        pytest.param({"stable_prefix_tokens": 0}, 0, id="zero-prefix-no-output"),
+    ],
+)
+def test_score_boundaries(overrides: dict[str, object], expected: int) -> None:
+    result = score_step(sig(**overrides))
+    assert result.score == expected
+    assert isinstance(result.score, int)
+    assert sum(result.breakdown().values()) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("term", list(SATURATED))
+def test_a_saturated_term_is_worth_exactly_its_weight(term: str) -> None:
+    breakdown = score_step(sig(**SATURATED[term])).breakdown()
+    assert breakdown[term] == WEIGHTS[term]
+    assert all(points == 0 for name, points in breakdown.items() if name != term)
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "budget", "expected"),
+    [
+        pytest.param(1, 16, 3, id="2.5-rounds-half-up"),
+        pytest.param(5, 16, 13, id="12.5-rounds-half-up"),
+        pytest.param(1, 100, 0, id="0.4-rounds-down"),
+        pytest.param(3, 200, 1, id="0.6-rounds-up"),
+    ],
+)
+def test_score_rounds_to_nearest_int_half_up(prompt_tokens: int, budget: int, expected: int) -> None:
+    result = score_step(sig(prompt_tokens=prompt_tokens, conversation_max_tokens=budget))
+    assert result.score == expected
+    assert result.context_pressure == pytest.approx(40 * prompt_tokens / budget)
+
+
+def test_breakdown_points_are_rounded_to_two_decimals() -> None:
+    result = score_step(sig(prompt_tokens=1, conversation_max_tokens=3))
+    assert result.context_pressure == 13.33
+    assert result.score == 13
+
+
+def test_weights_sum_to_100_and_name_every_breakdown_term() -> None:
+    assert sum(WEIGHTS.values()) == 100
+    assert WEIGHTS == {"context_pressure": 40, "turn_depth": 25, "transient_notice": 20, "tail_growth": 15}
+    assert set(score_step(sig()).breakdown()) == set(WEIGHTS)
+
+
+def test_score_reads_the_weights_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(routing.WEIGHTS, "context_pressure", 50)
+    monkeypatch.setitem(routing.WEIGHTS, "tail_growth", 5)
+    assert score_step(sig(**SATURATED["context_pressure"])).score == 50
+    assert score_step(sig(**SATURATED["tail_growth"])).breakdown()["tail_growth"] == 5
+
+
+def test_score_has_no_prompt_cache_input() -> None:
+    names = {f.name for f in dataclasses.fields(StepSignals)}
+    assert not [name for name in names if "cache" in name]
+    assert not [name for name in WEIGHTS if "cache" in name]
+
+
+# --------------------------------------------------------------------------- decide_leg
+
+
+def run_legs(
+    scores: Sequence[int], *, start: Leg, cloud_share: int, hysteresis: int = 10
+) -> tuple[list[Leg], list[int | None]]:
+    """Feed continuation scores through ``decide_leg`` the way a turn does."""
+    leg, legs, thresholds = start, [], []
+    for step, value in enumerate(scores, start=1):
+        decision = decide_leg(
+            mode="fusion",
+            step=step,
+            current_leg=leg,
+            score=score_of(value),
+            cloud_share=cloud_share,
+            hysteresis=hysteresis,
+        )
+        leg = decision.leg
+        legs.append(leg)
+        thresholds.append(decision.threshold)
+    return legs, thresholds
+
+
+def test_hysteresis_over_a_run_of_scores() -> None:
+    # cloud_share=30 -> T=70, h=10: local escalates at >= 80, cloud stays down to 60.
+    scores = [70, 75, 79, 80, 75, 61, 60, 59, 65, 79, 80, 100]
+    legs, thresholds = run_legs(scores, start="local", cloud_share=30)
+    assert legs == [
+        "local", "local", "local", "cloud", "cloud", "cloud",
+        "cloud", "local", "local", "local", "cloud", "cloud",
+    ]  # fmt: skip
+    assert thresholds == [80, 80, 80, 80, 60, 60, 60, 60, 80, 80, 80, 60]
+
+
+def test_without_hysteresis_the_leg_follows_the_threshold() -> None:
+    legs, _ = run_legs([69, 70, 69, 70], start="cloud", cloud_share=30, hysteresis=0)
+    assert legs == ["local", "cloud", "local", "cloud"]
+
+
+def test_thresholds_are_clamped_to_0_and_100() -> None:
+    # cloud_share=5 -> T=95: T+h=105 is clamped to 100.
+    legs, thresholds = run_legs([99, 100, 85, 84], start="local", cloud_share=5)
+    assert legs == ["local", "cloud", "cloud", "local"]
+    assert thresholds == [100, 100, 85, 85]
+    # cloud_share=95 -> T=5: T-h=-5 is clamped to 0, so cloud is never left.
+    legs, thresholds = run_legs([0], start="cloud", cloud_share=95)
+    assert (legs, thresholds) == (["cloud"], [0])
+
+
+@pytest.mark.parametrize("cloud_share", [1, 30, 99, 100])
+@pytest.mark.parametrize("score", [None, score_of(0), score_of(100)])
+def test_step_0_goes_cloud_whenever_cloud_share_is_positive(
+    cloud_share: int, score: StepScore | None
+) -> None:
+    decision = decide_leg(mode="fusion", step=0, current_leg=None, score=score, cloud_share=cloud_share)
+    assert decision.leg == "cloud"
+    assert decision.threshold is None
+    assert f"cloud_share={cloud_share}" in decision.reason
+
+
+@pytest.mark.parametrize("current", ["local", "cloud", None])
+@pytest.mark.parametrize("step", [0, 1, 7])
+def test_cloud_share_0_never_goes_cloud(current: Leg | None, step: int) -> None:
+    decision = decide_leg(mode="fusion", step=step, current_leg=current, score=score_of(100), cloud_share=0)
+    assert decision.leg == "local"
+    assert "cloud_share=0" in decision.reason
+
+
+def test_cloud_share_100_keeps_a_turn_on_cloud() -> None:
+    plan = decide_leg(mode="fusion", step=0, current_leg=None, score=score_of(0), cloud_share=100)
+    assert plan.leg == "cloud"
+    legs, thresholds = run_legs([0, 0, 50, 0], start=plan.leg, cloud_share=100)
+    assert legs == ["cloud"] * 4
+    assert thresholds == [0] * 4
+    # Without hysteresis even a continuation from local escalates at score 0.
+    assert run_legs([0], start="local", cloud_share=100, hysteresis=0)[0] == ["cloud"]
+
+
+@pytest.mark.parametrize(("mode", "leg"), [("cloud", "cloud"), ("local", "local")])
+@pytest.mark.parametrize("cloud_share", [0, 30, 100])
+def test_fixed_modes_pin_every_step(mode: str, leg: Leg, cloud_share: int) -> None:
+    for step, current, value in [(0, None, 0), (1, "local", 100), (5, "cloud", 0), (9, "local", 0)]:
+        decision = decide_leg(
+            mode=mode,  # type: ignore[arg-type]
+            step=step,
+            current_leg=current,  # type: ignore[arg-type]
+            score=score_of(value),
+            cloud_share=cloud_share,
+        )
+        assert decision.leg == leg
+        assert decision.threshold is None
+        assert f"mode={mode}" in decision.reason
+        assert decision.score is not None and decision.score.score == value
+
+
+def test_fusion_mode_routes_by_score() -> None:
+    low = decide_leg(mode="fusion", step=3, current_leg="local", score=score_of(10), cloud_share=30)
+    high = decide_leg(mode="fusion", step=3, current_leg="local", score=score_of(95), cloud_share=30)
+    assert (low.leg, high.leg) == ("local", "cloud")
+
+
+@pytest.mark.parametrize("cloud_share", [-1, 101, 150])
+def test_invalid_cloud_share_names_the_range(cloud_share: int) -> None:
+    with pytest.raises(ValueError, match=r"cloud_share must be between 0 and 100"):
+        decide_leg(mode="fusion", step=1, current_leg="local", score=score_of(0), cloud_share=cloud_share)
+
+
+def test_invalid_mode_names_the_valid_modes() -> None:
+    with pytest.raises(ValueError, match=r"mode must be one of 'cloud', 'local', 'fusion', got 'x'"):
+        decide_leg(mode="x", step=1, current_leg="local", score=score_of(0))  # type: ignore[arg-type]
+
+
+def test_negative_hysteresis_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"hysteresis must be >= 0"):
+        decide_leg(mode="fusion", step=1, current_leg="local", score=score_of(0), hysteresis=-1)
+
+
+def test_fusion_continuation_needs_a_score() -> None:
+    with pytest.raises(ValueError, match="need a score"):
+        decide_leg(mode="fusion", step=1, current_leg="local", score=None)
+
+
+@pytest.mark.parametrize("current", ["local", "cloud"])
+@pytest.mark.parametrize("value", [0, 59, 60, 79, 80, 100])
+def test_reasons_name_score_and_threshold(current: Leg, value: int) -> None:
+    decision = decide_leg(mode="fusion", step=2, current_leg=current, score=score_of(value), cloud_share=30)
+    assert decision.threshold is not None
+    assert decision.reason.strip()
+    assert f"score {value}" in decision.reason
+    assert str(decision.threshold) in decision.reason
+    assert "T=70" in decision.reason
+    assert decision.score is not None and decision.score.score == value
+
+
+def test_cloud_threshold_is_100_minus_cloud_share() -> None:
+    assert [cloud_threshold(s) for s in (0, 30, 100)] == [100, 70, 0]
