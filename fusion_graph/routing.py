@@ -130,7 +130,7 @@ def decide_leg(
     """Pick the leg of one step.
 
     ``cloud``/``local`` modes pin every step. In ``fusion``: ``cloud_share == 0``
-    never goes cloud; step 0 (the plan) goes cloud whenever ``cloud_share > 0``;
+    never goes cloud and ``100`` always does; step 0 (the plan) goes cloud whenever ``cloud_share > 0``;
     a continuation from a local leg goes cloud iff ``score >= min(T + h, 100)``;
     a continuation from a cloud leg stays cloud iff ``score >= T - h``.
 
@@ -158,6 +158,8 @@ def decide_leg(
         raise ValueError(f"mode must be one of 'cloud', 'local', 'fusion', got {mode!r}")
     if cloud_share == 0:
         return RouteDecision("local", score, None, "cloud_share=0: never cloud")
+    if cloud_share == 100:
+        return RouteDecision("cloud", score, None, "cloud_share=100: always cloud")
     if step == 0:
         return RouteDecision(
             "cloud", score, None, f"step 0 (plan) runs on cloud because cloud_share={cloud_share} > 0"

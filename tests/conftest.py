@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+# Real llama-server fixtures (llama_server_bin, tiny_model, llama_server).
+pytest_plugins = ["tests.llama_fixtures"]
+
 
 class NetworkBlockedError(RuntimeError):
     """A unit test tried to open a non-loopback connection."""

@@ -8,6 +8,7 @@ The cloud leg is an OpenAI-compatible fake on loopback.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,7 +26,7 @@ from fusion_graph import build_graph, make_workspace_tools
 from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.testing import LlamaServer
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
-from tests.llama_fixtures import llama_server, llama_server_bin, tiny_model  # noqa: F401
+from tests.llama_fixtures import N_SLOTS
 
 pytestmark = pytest.mark.llama
 
@@ -72,6 +73,16 @@ class ScriptedLlama(ChatLlamaServer):
             response_metadata=real.response_metadata,
         )
         return result
+
+
+@pytest.fixture(scope="module")
+def llama_server(
+    llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    """A server of this module's own: other modules' unpinned requests cannot touch its slots."""
+    log = tmp_path_factory.mktemp("local-leg") / "server.log"
+    with LlamaServer(tiny_model, binary=llama_server_bin, n_slots=N_SLOTS, log_path=log) as server:
+        yield server
 
 
 @pytest.fixture
@@ -146,7 +157,7 @@ async def test_consecutive_local_steps_reuse_cache_and_cloud_step_does_not_cost_
     local = records(first, leg="local")
     slot = local[0]["slot"]
     assert slot is not None and all(r["slot"] == slot for r in local)
-    for previous, current in zip(local, local[1:], strict=False):
+    for previous, current in itertools.pairwise(local):
         # Server-reported: the next step reused everything the previous step sent.
         assert current["cached_tokens"] >= previous["prompt_tokens"]
         assert current["processed_tokens"] == current["prompt_tokens"] - current["cached_tokens"]

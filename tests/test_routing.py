@@ -197,14 +197,16 @@ def test_cloud_share_0_never_goes_cloud(current: Leg | None, step: int) -> None:
     assert "cloud_share=0" in decision.reason
 
 
-def test_cloud_share_100_keeps_a_turn_on_cloud() -> None:
+def test_cloud_share_100_is_always_cloud() -> None:
     plan = decide_leg(mode="fusion", step=0, current_leg=None, score=score_of(0), cloud_share=100)
     assert plan.leg == "cloud"
     legs, thresholds = run_legs([0, 0, 50, 0], start=plan.leg, cloud_share=100)
     assert legs == ["cloud"] * 4
-    assert thresholds == [0] * 4
-    # Without hysteresis even a continuation from local escalates at score 0.
-    assert run_legs([0], start="local", cloud_share=100, hysteresis=0)[0] == ["cloud"]
+    assert thresholds == [None] * 4
+    # Even a continuation from a local leg (after a local repair, say) goes cloud at score 0.
+    decision = decide_leg(mode="fusion", step=3, current_leg="local", score=score_of(0), cloud_share=100)
+    assert decision.leg == "cloud"
+    assert "cloud_share=100" in decision.reason
 
 
 @pytest.mark.parametrize(("mode", "leg"), [("cloud", "cloud"), ("local", "local")])

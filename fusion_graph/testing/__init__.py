@@ -2,9 +2,15 @@
 
 Kept inside the package (not under ``tests/``) so benchmarks, notebooks and
 downstream projects can start the same server the integration tests use.
-Nothing here is imported by ``fusion_graph`` itself; ``gguf`` and ``numpy``
-are only needed when a model is generated.
+Nothing here is imported by ``fusion_graph`` itself. The model writer is
+imported lazily because it needs ``gguf`` and ``numpy`` (dev extras), which
+the server helpers do not.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fusion_graph.testing.llama_server import (
     DEFAULT_LLAMA_CPP_PYTHON_VERSION,
@@ -21,7 +27,11 @@ from fusion_graph.testing.llama_server import (
     vocab_dir,
     vocab_path,
 )
-from fusion_graph.testing.tiny_model import SUPPORTED_ARCHS, read_tokenizer_metadata, write_tiny_model
+
+if TYPE_CHECKING:
+    from fusion_graph.testing.tiny_model import SUPPORTED_ARCHS, read_tokenizer_metadata, write_tiny_model
+
+_LAZY = {"SUPPORTED_ARCHS", "read_tokenizer_metadata", "write_tiny_model"}
 
 __all__ = [
     "DEFAULT_LLAMA_CPP_PYTHON_VERSION",
@@ -41,3 +51,10 @@ __all__ = [
     "vocab_path",
     "write_tiny_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the ``gguf``-dependent names on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module("fusion_graph.testing.tiny_model"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -127,7 +127,10 @@ def ensure_llama_server(build: bool = False) -> Path:
         raise LlamaServerUnavailable(
             f"{script} failed with exit code {result.returncode}; see its output above"
         )
-    built = Path(result.stdout.strip().splitlines()[-1]) / "bin" / "llama-server"
+    printed = result.stdout.strip().splitlines()
+    if not printed:
+        raise LlamaServerUnavailable(f"{script} succeeded but did not print its cache directory")
+    built = Path(printed[-1]) / "bin" / "llama-server"
     if not _executable(built):
         raise LlamaServerUnavailable(f"{script} finished but {built} is not an executable")
     return built
