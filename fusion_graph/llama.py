@@ -7,6 +7,7 @@ langchain-openai otherwise drops, in the answer's ``response_metadata``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -33,8 +34,10 @@ def server_root(base_url: str) -> str:
 async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
     """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``)."""
     url = server_root(base_url) + "/props"
+    # Building a client loads certificates (blocking I/O): do it off the event loop.
+    client = await asyncio.to_thread(httpx.AsyncClient, timeout=timeout)
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with client:
             response = await client.get(url)
             response.raise_for_status()
             total = response.json().get("total_slots")

@@ -72,7 +72,7 @@ class Nodes:
         context = ensure_context(runtime.context)
         decision, signals = plan_route(state, context, self.count_tokens)
         turn = state.get("turn", -1) + 1
-        provider = self.providers.for_leg(decision.leg, context)
+        provider = await self.providers.for_leg(decision.leg, context)
         answer, record = await infer(
             slot=await self._slot(provider, context),
             kind="plan",
@@ -104,7 +104,7 @@ class Nodes:
         if decision.leg != leg:  # the edge and the node read the same state
             raise RuntimeError(f"routing edge chose {leg} but the decision now says {decision.leg}")
         step = state.get("step", 0) + 1
-        provider = self.providers.for_leg(leg, context)
+        provider = await self.providers.for_leg(leg, context)
         answer, record = await infer(
             slot=await self._slot(provider, context),
             kind="step",
@@ -148,7 +148,7 @@ class Nodes:
             reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
             f"kept on the {leg} leg that made it",
         )
-        provider = self.providers.for_leg(leg, context)
+        provider = await self.providers.for_leg(leg, context)
         answer, record = await infer(
             slot=await self._slot(provider, context),
             kind="repair",

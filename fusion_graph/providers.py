@@ -8,6 +8,7 @@ its settings so HTTP clients are reused across steps).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,12 @@ class Providers:
         self._built: dict[tuple[Any, ...], Provider] = {}
         self._pools: dict[tuple[str, int, bool], SlotPool] = {}
 
-    def for_leg(self, leg: Leg, context: FusionContext) -> Provider:
-        """The provider serving ``leg`` under ``context``."""
+    async def for_leg(self, leg: Leg, context: FusionContext) -> Provider:
+        """The provider serving ``leg`` under ``context``.
+
+        Models are built in a worker thread: creating HTTP clients reads
+        certificate files, a blocking call ``langgraph dev`` rejects on the event loop.
+        """
         injected = self._injected[leg]
         if injected is not None:
             return Provider(id=f"{leg}:{model_name(injected)}", leg=leg, model=injected)
@@ -113,7 +118,8 @@ class Providers:
             key = (leg, context.local_model, context.local_base_url, context.request_timeout)
         provider = self._built.get(key)
         if provider is None:
-            model = build_cloud_model(context) if leg == "cloud" else build_local_model(context)
+            build = build_cloud_model if leg == "cloud" else build_local_model
+            model = await asyncio.to_thread(build, context)
             provider = Provider(id=f"{leg}:{model_name(model)}", leg=leg, model=model)
             self._built[key] = provider
         return provider
