@@ -10,6 +10,7 @@ that names the field and the valid range.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import fields
@@ -31,11 +32,19 @@ def _env(name: str, default: Any) -> Callable[[], Any]:
     """Default factory: ``FUSION_<NAME>`` from the environment, else ``default``.
 
     The raw string is handed to pydantic, which converts and validates it like
-    any other input.
+    any other input; structured fields (tables, pairs) are read as JSON.
     """
 
     def factory() -> Any:
-        return os.environ.get(ENV_PREFIX + name.upper(), default)
+        raw = os.environ.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            return default
+        if isinstance(default, dict | tuple | list):
+            try:
+                return json.loads(raw)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{ENV_PREFIX + name.upper()} must be JSON: {error}") from error
+        return raw
 
     return factory
 
@@ -126,6 +135,37 @@ class FusionContext:
         True,
         "Keep llama-server's last slot for memory sub-runners so they never evict a "
         "conversation's cached prefix.",
+    )
+    provider_allowed_failures: Annotated[int, Field(ge=0, le=100)] = _f(
+        "provider_allowed_failures",
+        2,
+        "Health failures (timeouts, connection errors, 5xx) a provider may have within the "
+        "window; one more puts it in cooldown. A 429 cools it down at once.",
+    )
+    provider_failure_window_s: Annotated[float, Field(gt=0)] = _f(
+        "provider_failure_window_s", 60.0, "Seconds over which provider failures are counted."
+    )
+    provider_cooldown_s: Annotated[float, Field(ge=0)] = _f(
+        "provider_cooldown_s",
+        30.0,
+        "Seconds a failing provider sits out before a probe; a Retry-After header replaces it.",
+    )
+    override_provider: str | None = _f(
+        "override_provider",
+        None,
+        "Operator pin: the provider id tried first when the router has no preference "
+        "(e.g. 'cloud:gpt-4o-mini'). The routed leg still picks each step's starting link.",
+    )
+    local_price_per_mtok: Annotated[tuple[float, float], Field()] = _f(
+        "local_price_per_mtok",
+        (0.0, 0.0),
+        "USD per million (input, output) tokens on the local leg, e.g. to count power; default free.",
+    )
+    price_overrides: dict[str, tuple[float, float, float | None]] = _f(
+        "price_overrides",
+        {},
+        "USD per million (input, output, cached input) tokens by provider id or model name, "
+        "for models the price catalogue does not know.",
     )
     request_timeout: Annotated[float, Field(gt=0)] = _f(
         "request_timeout", 120.0, "Seconds before a model request is abandoned."

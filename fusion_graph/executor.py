@@ -1,14 +1,16 @@
-"""One inference on one leg: build the prompt, call the provider, record the route.
+"""One inference: build the prompt, call through the provider chain, record the route.
 
 Plan, continuation steps and repairs all come through here, so every call is
-recorded the same way: a ``route_log`` entry, a custom stream event
-(``stream_mode="custom"``) and leg/score tags and metadata on the model run
-(visible in LangGraph Studio and LangSmith traces).
+recorded the same way: a ``route_log`` entry (who answered, which attempts
+failed before, what it cost at the answering provider's prices), a custom
+stream event (``stream_mode="custom"``) and leg/score tags and metadata on the
+model run (visible in LangGraph Studio and LangSmith traces).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage
@@ -18,8 +20,9 @@ from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
+from fusion_graph.chain import ChainLink, ProviderChain
 from fusion_graph.context import FusionContext
-from fusion_graph.providers import Provider
+from fusion_graph.pricing import price
 from fusion_graph.records import make_record
 from fusion_graph.routing import RouteDecision, StepSignals
 from fusion_graph.signals import build_prompt
@@ -28,21 +31,25 @@ from fusion_graph.state import RouteRecord, StepKind
 
 ROUTE_EVENT = "fusion_route"
 
+#: Finds the llama-server slot of this conversation on a link (``None``: not a llama-server).
+SlotFinder = Callable[[ChainLink], Awaitable[int | None]]
 
-def _call_config(kind: StepKind, decision: RouteDecision, step: int, provider: Provider) -> RunnableConfig:
+
+def _call_config(kind: StepKind, decision: RouteDecision, step: int, link: ChainLink) -> RunnableConfig:
     score = decision.score.score if decision.score is not None else None
     metadata: dict[str, Any] = {
-        "fusion_leg": decision.leg,
+        "fusion_leg": link.leg,
+        "fusion_routed_leg": decision.leg,
         "fusion_kind": kind,
         "fusion_step": step,
         "fusion_score": score,
         "fusion_threshold": decision.threshold,
-        "fusion_provider": provider.id,
+        "fusion_provider": link.id,
     }
     return {
-        "tags": [f"fusion:leg={decision.leg}", f"fusion:kind={kind}"],
+        "tags": [f"fusion:leg={link.leg}", f"fusion:kind={kind}"],
         "metadata": metadata,
-        "run_name": f"{kind}:{decision.leg}",
+        "run_name": f"{kind}:{link.leg}",
     }
 
 
@@ -53,38 +60,53 @@ async def infer(
     turn: int,
     decision: RouteDecision,
     signals: StepSignals | None,
-    provider: Provider,
+    chain: ProviderChain,
+    find_slot: SlotFinder,
     messages: Sequence[BaseMessage],
     tools: Sequence[BaseTool],
     runtime: Runtime[FusionContext],
     context: FusionContext,
-    slot: int | None = None,
+    prefer_provider: str | None = None,
 ) -> tuple[AIMessage, RouteRecord]:
-    """Run one inference on ``provider`` and return its answer and route record.
+    """Run one inference through ``chain``, starting at the routed leg; return answer and record.
 
-    ``slot`` pins a llama-server slot; it is sent (with ``cache_prompt``) only
-    when the step was routed to the local leg.
+    The routed leg is only the preferred starting link: when it fails the
+    chain falls over (possibly to the other leg) and the record says so. Slot
+    fields are sent only to a local llama-server link, decided per link
+    actually called, never from whichever provider is "active".
     """
     # Every inference of a thread sends the same system prompt, so the prefix is stable.
     prompt = build_prompt(context.system_prompt, messages)
-    model: Runnable[Any, Any] = provider.model.bind_tools(list(tools)) if tools else provider.model
-    body = slot_body(decision.leg, slot)
-    if body is not None:
-        model = model.bind(extra_body=body)
-    config = merge_configs(get_config(), _call_config(kind, decision, step, provider))
-    answer = await model.ainvoke(prompt, config=config)
-    if not isinstance(answer, AIMessage):
-        answer = AIMessage(content=answer.content)
+    slots: dict[str, int | None] = {}
+
+    async def invoke(link: ChainLink) -> AIMessage:
+        model: Runnable[Any, Any] = link.model.bind_tools(list(tools)) if tools else link.model
+        slot = await find_slot(link) if link.leg == "local" else None
+        body = slot_body(link.leg, slot)
+        if body is not None:
+            model = model.bind(extra_body=body)
+        slots[link.id] = slot if body is not None else None
+        config = merge_configs(get_config(), _call_config(kind, decision, step, link))
+        answer = await model.ainvoke(prompt, config=config)
+        return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
+
+    outcome = await chain.call(invoke, preferred_leg=decision.leg, prefer_provider=prefer_provider)
+    link, answer = outcome.provider, outcome.answer
     record = make_record(
         turn=turn,
         step=step,
         kind=kind,
-        leg=decision.leg,
+        leg=link.leg,
         decision=decision,
         signals=signals,
-        provider=provider.id,
+        provider=link.id,
         answer=answer,
-        slot=slot if body is not None else None,
+        slot=slots.get(link.id),
+        attempts=[asdict(attempt) for attempt in outcome.attempts],
+        extra={"probe": outcome.probe, "latency_s": round(outcome.latency_s, 4)},
+    )
+    record["cost_usd"] = price(
+        link.pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]
     )
     runtime.stream_writer({"event": ROUTE_EVENT, **record})
     return answer, record

@@ -17,9 +17,10 @@ from langgraph.graph.state import CompiledStateGraph
 from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
 
+from fusion_graph.chain import ProviderChain
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes import Nodes
-from fusion_graph.providers import Providers
+from fusion_graph.resolver import ProviderResolver
 from fusion_graph.signals import TokenCounter, approximate_tokens
 from fusion_graph.state import InputState, State
 from fusion_graph.tools import TOOLS
@@ -60,6 +61,7 @@ def build_graph(
     checkpointer: BaseCheckpointSaver[str] | None = None,
     store: BaseStore | None = None,
     count_tokens: TokenCounter = approximate_tokens,
+    chain: ProviderChain | None = None,
 ) -> CompiledStateGraph[State, FusionContext, InputState, State]:
     """Build and compile the fusion graph.
 
@@ -72,9 +74,11 @@ def build_graph(
         checkpointer: Persistence for threads (leave ``None`` under the LangGraph server).
         store: Long-term store (memories).
         count_tokens: The token estimator used for every routing signal.
+        chain: A provider chain of your own (more providers, custom health policy or
+            pricing) instead of ``cloud_model``/``local_model``.
     """
     nodes = Nodes(
-        providers=Providers(cloud=cloud_model, local=local_model),
+        resolver=ProviderResolver(cloud=cloud_model, local=local_model, chain=chain),
         tools=TOOLS if tools is None else tools,
         count_tokens=count_tokens,
     )

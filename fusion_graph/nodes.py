@@ -18,12 +18,14 @@ from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
 from fusion_graph.batch import plan_batch
+from fusion_graph.chain import ChainLink
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.executor import infer
-from fusion_graph.providers import Provider, Providers
-from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.records import totals_of
+from fusion_graph.resolver import ProviderResolver
+from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.signals import TokenCounter, turn_start
-from fusion_graph.state import State
+from fusion_graph.state import State, StepKind
 from fusion_graph.turn import continuation_route, last_ai, plan_route
 
 
@@ -51,96 +53,116 @@ def thread_id_of(config: RunnableConfig) -> str:
 
 
 class Nodes:
-    """Node functions bound to the graph's providers, tools and token estimator."""
+    """Node functions bound to the graph's provider resolver, tools and token estimator."""
 
     def __init__(
-        self, *, providers: Providers, tools: Sequence[BaseTool], count_tokens: TokenCounter
+        self, *, resolver: ProviderResolver, tools: Sequence[BaseTool], count_tokens: TokenCounter
     ) -> None:
         """Keep what every node needs."""
-        self.providers = providers
+        self.resolver = resolver
         self.tool_list = list(tools)
         self.tools_by_name = {tool.name: tool for tool in self.tool_list}
         self.count_tokens = count_tokens
 
-    async def _slot(self, provider: Provider, context: FusionContext) -> int | None:
-        """This conversation's llama-server slot when ``provider`` is one, else ``None``."""
-        pool = await self.providers.slot_pool(provider, context)
-        return pool.slot_for(thread_id_of(get_config())) if pool is not None else None
+    async def _infer(
+        self,
+        *,
+        kind: StepKind,
+        step: int,
+        decision: RouteDecision,
+        signals: StepSignals | None,
+        state: State,
+        runtime: Runtime[FusionContext],
+        context: FusionContext,
+        prefer_provider: str | None = None,
+    ) -> tuple[AIMessage, dict[str, Any]]:
+        """One inference through the chain; returns the answer and the shared state update."""
+        chain = await self.resolver.chain(context)
+        thread_id = thread_id_of(get_config())
+
+        async def find_slot(link: ChainLink) -> int | None:
+            pool = await self.resolver.slot_pool(link, context)
+            return pool.slot_for(thread_id) if pool is not None else None
+
+        answer, record = await infer(
+            kind=kind,
+            step=step,
+            turn=state.get("turn", 0) if kind != "plan" else state.get("turn", -1) + 1,
+            decision=decision,
+            signals=signals,
+            chain=chain,
+            find_slot=find_slot,
+            messages=state["messages"],
+            tools=self.tool_list,
+            runtime=runtime,
+            context=context,
+            prefer_provider=prefer_provider,
+        )
+        update: dict[str, Any] = {
+            "messages": [answer],
+            "route_log": [record],
+            "totals": totals_of(record),
+            "step": step,
+            # The leg that answered: after a fallover the turn continues from there.
+            "leg": record["leg"],
+            "provider": record["provider"],
+        }
+        return answer, update
 
     async def plan(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """Step 0: form the plan and pick the first tool batch (cloud whenever cloud_share > 0)."""
         context = ensure_context(runtime.context)
         decision, signals = plan_route(state, context, self.count_tokens)
-        turn = state.get("turn", -1) + 1
-        provider = await self.providers.for_leg(decision.leg, context)
-        answer, record = await infer(
-            slot=await self._slot(provider, context),
+        _, update = await self._infer(
             kind="plan",
             step=0,
-            turn=turn,
             decision=decision,
             signals=signals,
-            provider=provider,
-            messages=state["messages"],
-            tools=self.tool_list,
+            state=state,
             runtime=runtime,
             context=context,
         )
-        return {
-            "messages": [answer],
-            "route_log": [record],
-            "turn": turn,
-            "step": 0,
-            "leg": decision.leg,
-            "provider": record["provider"],
+        update |= {
+            "turn": state.get("turn", -1) + 1,
             "notice": False,
             "repair_attempts": 0,
             "repair_error": None,
         }
+        return update
 
     async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         context = ensure_context(runtime.context)
         decision, signals = continuation_route(state, context, self.count_tokens)
         if decision.leg != leg:  # the edge and the node read the same state
             raise RuntimeError(f"routing edge chose {leg} but the decision now says {decision.leg}")
-        step = state.get("step", 0) + 1
-        provider = await self.providers.for_leg(leg, context)
-        answer, record = await infer(
-            slot=await self._slot(provider, context),
+        _, update = await self._infer(
             kind="step",
-            step=step,
-            turn=state.get("turn", 0),
+            step=state.get("step", 0) + 1,
             decision=decision,
             signals=signals,
-            provider=provider,
-            messages=state["messages"],
-            tools=self.tool_list,
+            state=state,
             runtime=runtime,
             context=context,
         )
-        return {
-            "messages": [answer],
-            "route_log": [record],
-            "step": step,
-            "leg": leg,
-            "provider": record["provider"],
-            "notice": False,
-        }
+        return update | {"notice": False}
 
     async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """A continuation step on the local model (llama-server)."""
+        """A continuation step routed to the local model (llama-server)."""
         return await self._continue("local", state, runtime)
 
     async def cloud(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """A continuation step on the cloud model."""
+        """A continuation step routed to the cloud model."""
         return await self._continue("cloud", state, runtime)
 
     async def repair(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """Retry a malformed tool call on the leg that made it (read from state, never re-scored)."""
+        """Retry a malformed tool call on the leg and provider that made it (never re-scored).
+
+        The provider is preferred while healthy; when it is not, the repair falls
+        over like any step.
+        """
         context = ensure_context(runtime.context)
         leg: Leg = state.get("leg", "local")
         attempt = state.get("repair_attempts", 0) + 1
-        step = state.get("step", 0) + 1
         decision = RouteDecision(
             leg=leg,
             score=None,
@@ -148,29 +170,17 @@ class Nodes:
             reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
             f"kept on the {leg} leg that made it",
         )
-        provider = await self.providers.for_leg(leg, context)
-        answer, record = await infer(
-            slot=await self._slot(provider, context),
+        _, update = await self._infer(
             kind="repair",
-            step=step,
-            turn=state.get("turn", 0),
+            step=state.get("step", 0) + 1,
             decision=decision,
             signals=None,
-            provider=provider,
-            messages=state["messages"],
-            tools=self.tool_list,
+            state=state,
             runtime=runtime,
             context=context,
+            prefer_provider=state.get("provider"),
         )
-        return {
-            "messages": [answer],
-            "route_log": [record],
-            "step": step,
-            "leg": leg,
-            "provider": record["provider"],
-            "repair_attempts": attempt,
-            "repair_error": None,
-        }
+        return update | {"repair_attempts": attempt, "repair_error": None}
 
     async def tools(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """Validate the last answer's tool batch, then run what passed."""

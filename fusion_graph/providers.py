@@ -1,25 +1,24 @@
-"""Providers: who answers a leg's inference.
+"""Providers: who answers a leg's inference, and the default models built from the context.
 
-A ``Provider`` is an id, the leg it serves and its chat model. ``Providers``
-resolves the provider for a leg: the model injected into ``build_graph``, or
-an OpenAI-compatible ``ChatOpenAI`` built from the run's context (cached by
-its settings so HTTP clients are reused across steps).
+A ``Provider`` is an id, the leg it serves and its chat model. Default models
+are OpenAI-compatible ``ChatOpenAI`` clients with their own HTTP client (so
+closing a provider really releases its connections) and no client-side
+retries: the provider chain is the retry.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from langchain_core.language_models import BaseChatModel
 from langchain_openai import ChatOpenAI
 
 from fusion_graph.context import FusionContext
-from fusion_graph.llama import ChatLlamaServer, fetch_total_slots
+from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.routing import Leg
-from fusion_graph.slots import SlotPool
 
 #: llama-server ignores the key, but the OpenAI client insists on one.
 LOCAL_API_KEY = "sk-no-key-required"
@@ -70,7 +69,9 @@ def build_cloud_model(context: FusionContext) -> BaseChatModel:
         model=context.cloud_model,
         api_key=key,
         timeout=context.request_timeout,
+        max_retries=0,
         stream_usage=True,
+        http_async_client=httpx.AsyncClient(timeout=context.request_timeout),
         **kwargs,
     )
 
@@ -82,66 +83,9 @@ def build_local_model(context: FusionContext) -> BaseChatModel:
         base_url=context.local_base_url,
         api_key=LOCAL_API_KEY,
         timeout=context.request_timeout,
+        max_retries=0,
+        http_async_client=httpx.AsyncClient(timeout=context.request_timeout),
         # langchain-openai only asks for streamed usage by itself when no
         # base_url is set; llama-server's cache numbers ride on that usage.
         stream_usage=True,
     )
-
-
-class Providers:
-    """Resolves the provider of each leg for a run."""
-
-    def __init__(self, *, cloud: BaseChatModel | None = None, local: BaseChatModel | None = None) -> None:
-        """Keep injected models; legs without one are built from the context on use."""
-        self._injected: dict[Leg, BaseChatModel | None] = {"cloud": cloud, "local": local}
-        self._built: dict[tuple[Any, ...], Provider] = {}
-        self._pools: dict[tuple[str, int, bool], SlotPool] = {}
-
-    async def for_leg(self, leg: Leg, context: FusionContext) -> Provider:
-        """The provider serving ``leg`` under ``context``.
-
-        Models are built in a worker thread: creating HTTP clients reads
-        certificate files, a blocking call ``langgraph dev`` rejects on the event loop.
-        """
-        injected = self._injected[leg]
-        if injected is not None:
-            return Provider(id=f"{leg}:{model_name(injected)}", leg=leg, model=injected)
-        if leg == "cloud":
-            key: tuple[Any, ...] = (
-                leg,
-                context.cloud_model,
-                context.cloud_base_url,
-                context.cloud_api_key_env,
-                context.request_timeout,
-            )
-        else:
-            key = (leg, context.local_model, context.local_base_url, context.request_timeout)
-        provider = self._built.get(key)
-        if provider is None:
-            build = build_cloud_model if leg == "cloud" else build_local_model
-            model = await asyncio.to_thread(build, context)
-            provider = Provider(id=f"{leg}:{model_name(model)}", leg=leg, model=model)
-            self._built[key] = provider
-        return provider
-
-    async def slot_pool(self, provider: Provider, context: FusionContext) -> SlotPool | None:
-        """The slot pool of a local provider, or ``None`` when it is not an HTTP llama-server.
-
-        The slot count is ``context.local_slots`` when set, else the server's own
-        ``total_slots`` (asked once per base URL). Pools live as long as the graph,
-        so live threads keep their slots.
-        """
-        url = provider.base_url
-        if provider.leg != "local" or url is None:
-            return None
-        reserve = context.reserve_reflection_slot
-        known = [pool for (u, _, r), pool in self._pools.items() if u == url and r == reserve]
-        if not context.local_slots and known:
-            return known[0]
-        total = context.local_slots or await fetch_total_slots(
-            url, timeout=min(context.request_timeout, 10.0)
-        )
-        key = (url, total, reserve)
-        if key not in self._pools:
-            self._pools[key] = SlotPool(total, reserve_reflection=reserve)
-        return self._pools[key]

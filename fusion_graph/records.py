@@ -40,6 +40,7 @@ def make_record(
     provider: str | None,
     answer: AIMessage | None,
     slot: int | None = None,
+    attempts: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> RouteRecord:
     """The ``route_log`` entry of one inference.
@@ -57,12 +58,14 @@ def make_record(
         step=step,
         kind=kind,
         leg=leg,
+        routed_leg=decision.leg,
         score=score.score if score is not None else None,
         breakdown=score.breakdown() if score is not None else None,
         threshold=decision.threshold,
         reason=decision.reason,
         signals=asdict(signals) if signals is not None else {},
         provider=provider,
+        attempts=attempts or [],
         prompt_tokens=prompt,
         cached_tokens=cached,
         completion_tokens=completion,
@@ -72,3 +75,17 @@ def make_record(
         prompt_ms=prompt_ms,
         extra=extra or {},
     )
+
+
+def totals_of(record: RouteRecord) -> dict[str, Any]:
+    """One record's contribution to the thread's running ``totals``."""
+    return {
+        "cost_usd": record["cost_usd"] or 0.0,
+        "unpriced": 1 if record["cost_usd"] is None else 0,
+        record["leg"]: {
+            "inferences": 1,
+            "prompt_tokens": record["prompt_tokens"] or 0,
+            "cached_tokens": record["cached_tokens"] or 0,
+            "completion_tokens": record["completion_tokens"] or 0,
+        },
+    }

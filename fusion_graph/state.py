@@ -28,12 +28,18 @@ class RouteRecord(TypedDict):
     step: int
     kind: StepKind
     leg: Leg
+    """The leg that answered (differs from ``routed_leg`` after a fallover)."""
+    routed_leg: Leg
+    """The leg the router (or the repair rule) chose."""
     score: int | None
     breakdown: dict[str, float] | None
     threshold: int | None
     reason: str
     signals: dict[str, Any]
     provider: str | None
+    """Id of the provider that answered; ``cost_usd`` is priced at its prices."""
+    attempts: list[dict[str, Any]]
+    """Failed attempts before the answer: provider, leg, error class, kind, latency."""
     prompt_tokens: int | None
     cached_tokens: int | None
     completion_tokens: int | None
@@ -47,6 +53,19 @@ class RouteRecord(TypedDict):
     extra: dict[str, Any]
 
 
+def add_totals(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any]:
+    """Reducer: add running totals (numbers add up, nested tables add key by key)."""
+    merged: dict[str, Any] = dict(left or {})
+    for key, value in (right or {}).items():
+        if isinstance(value, dict):
+            merged[key] = add_totals(merged.get(key), value)
+        elif isinstance(value, int | float):
+            merged[key] = merged.get(key, 0) + value
+        else:
+            merged[key] = value
+    return merged
+
+
 class InputState(TypedDict):
     """What a caller sends: new messages (usually one user message)."""
 
@@ -57,6 +76,8 @@ class State(InputState):
     """Per-thread state; everything except ``messages`` is managed by the graph."""
 
     route_log: NotRequired[Annotated[list[RouteRecord], operator.add]]
+    totals: NotRequired[Annotated[dict[str, Any], add_totals]]
+    """Running totals of the thread: ``cost_usd``, ``unpriced`` inferences, tokens per leg."""
     # NOTE: the fields below describe the turn in progress and are reset by `plan`.
     turn: NotRequired[int]
     """Index of the current turn in the thread (0-based)."""

@@ -203,3 +203,10 @@ def test_loopback_connections_still_work() -> None:
         port = server.getsockname()[1]
         with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
             assert client.getpeername()[1] == port
+
+
+def test_readme_table_is_generated_from_the_context() -> None:
+    from fusion_graph.docs import render_readme_table
+
+    text = README.read_text(encoding="utf-8")
+    assert render_readme_table(text) == text, "README table is stale: run `python -m fusion_graph.docs README.md`"

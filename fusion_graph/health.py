@@ -1,0 +1,196 @@
+"""Provider health: classify an inference error, and one provider's circuit (cooldown, probe).
+
+Pure code over explicit ``now`` values, so cooldown timing is testable with an
+injected clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from typing import Any, Literal
+
+import openai
+
+ErrorClass = Literal[
+    "rate_limited",
+    "timeout",
+    "connection",
+    "server_error",
+    "misconfigured",
+    "malformed_response",
+    "bad_request",
+    "other",
+]
+#: Errors that count against a provider (``misconfigured``: 401/403/404, a bad key, model or URL).
+HEALTH_FAILURES: frozenset[ErrorClass] = frozenset(
+    {"rate_limited", "timeout", "connection", "server_error", "misconfigured", "malformed_response"}
+)
+#: Errors that are not the provider's fault: re-raised as they are, never failed over.
+#: ``other`` (an unknown error, e.g. a bug in a tool binding) is not hidden behind a fallover.
+NO_FALLOVER: frozenset[ErrorClass] = frozenset({"bad_request", "other"})
+#: How langchain-openai words a body that is JSON but not a chat completion.
+_MALFORMED_HINTS = ("'choices'", "Unexpected response type")
+#: Transient errors worth an in-place retry (a 429 waits out its Retry-After instead).
+RETRY_IN_PLACE: frozenset[ErrorClass] = frozenset({"timeout", "connection", "server_error"})
+
+
+def _classes(modules: tuple[str, ...], *names: str) -> tuple[type[BaseException], ...]:
+    """Exception classes by name from whichever of ``modules`` are installed and have them."""
+    found = []
+    for module in modules:
+        with contextlib.suppress(ImportError):
+            loaded = importlib.import_module(module)
+            found += [getattr(loaded, name, None) for name in names]
+    return tuple(c for c in found if isinstance(c, type) and issubclass(c, BaseException))
+
+
+_HTTP = ("httpx", "httpx2")  # httpx2 is what openai>=3 speaks
+_LC = ("langchain_core.exceptions",)  # provider-neutral errors of newer langchain-core
+_TIMEOUT = _classes(_HTTP + _LC, "TimeoutException", "ModelTimeoutError")
+_CONNECTION = _classes(_HTTP + _LC, "TransportError", "ModelConnectionError")
+_MISCONFIGURED = _classes(_LC, "ModelAuthenticationError", "ModelPermissionDeniedError", "ModelNotFoundError")
+#: Checked in order after the status code (openai's timeout is an ``APIConnectionError``).
+_KINDS: tuple[tuple[tuple[type[BaseException], ...], ErrorClass], ...] = (
+    ((openai.APITimeoutError, TimeoutError, *_TIMEOUT), "timeout"),
+    ((openai.APIConnectionError, ConnectionError, *_CONNECTION), "connection"),
+    (_classes(_LC, "ModelRateLimitError"), "rate_limited"),
+    (_classes(_LC, "ModelAPIError"), "server_error"),
+    (_MISCONFIGURED, "misconfigured"),
+    (_classes(_LC, "ModelInvalidRequestError", "ContextOverflowError"), "bad_request"),
+)
+
+
+def _attr(obj: object, name: str) -> Any:
+    try:
+        return getattr(obj, name, None)
+    except RuntimeError:  # httpx raises this for a response/request that was never set
+        return None
+
+
+def status_code(error: BaseException) -> int | None:
+    """The HTTP status behind ``error`` (openai ``APIStatusError``, ``httpx.HTTPStatusError``)."""
+    code = _attr(error, "status_code")
+    code = code if isinstance(code, int) else _attr(_attr(error, "response"), "status_code")
+    return code if isinstance(code, int) else None
+
+
+def classify(error: BaseException) -> ErrorClass:
+    """Sort an inference error: is the provider at fault, and may another provider try?
+
+    A 4xx other than 401/403/404 (``misconfigured``), 408 and 429 is
+    ``bad_request``: the request itself is wrong and would fail anywhere.
+    A body that is not a chat completion is ``malformed_response`` (the
+    provider's fault). Unknown errors are ``other`` unless their ``__cause__``
+    says more.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = status_code(current)
+        if code is not None and code >= 400:
+            if code in (408, 429):
+                return "timeout" if code == 408 else "rate_limited"
+            if code >= 500:
+                return "server_error"
+            return "misconfigured" if code in (401, 403, 404) else "bad_request"
+        kind = next((kind for classes, kind in _KINDS if isinstance(current, classes)), None)
+        if kind is not None:
+            return kind
+        if isinstance(current, json.JSONDecodeError | openai.APIResponseValidationError) or (
+            isinstance(current, TypeError | KeyError | ValueError)
+            and any(hint in str(current) for hint in _MALFORMED_HINTS)
+        ):
+            return "malformed_response"
+        current = current.__cause__
+    return "other"
+
+
+def retry_after(error: BaseException, now: float) -> float | None:
+    """Seconds the server asked us to wait (``retry-after-ms``/``Retry-After``), else ``None``.
+
+    Args:
+        error: The failed call's exception; its ``response.headers`` are read.
+        now: Wall-clock epoch seconds, to turn an HTTP date into a delay.
+    """
+    headers = _attr(_attr(error, "response"), "headers")
+    if not hasattr(headers, "get"):
+        return None
+    value = headers.get("retry-after")
+    for raw, scale in ((headers.get("retry-after-ms"), 1000.0), (value, 1.0)):
+        with contextlib.suppress(TypeError, ValueError):
+            return max(float(raw) / scale, 0.0)
+    with contextlib.suppress(TypeError, ValueError):
+        return max(parsedate_to_datetime(value).timestamp() - now, 0.0)
+    return None
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """When a provider leaves the rotation, and for how long.
+
+    Attributes:
+        allowed_failures: Health failures tolerated within ``window_s``; one more trips the cooldown.
+        window_s: The failure-counting window.
+        cooldown_s: Cooldown after a trip; a Retry-After replaces it.
+        max_retry_after_s: Cap on Retry-After, so one header cannot bench a provider for days.
+    """
+
+    allowed_failures: int = 2
+    window_s: float = 60.0
+    cooldown_s: float = 30.0
+    max_retry_after_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """In-place retries of one provider's transient errors; none by default: the chain is the retry."""
+
+    attempts: int = 0
+    initial_s: float = 0.5
+    max_s: float = 4.0
+    jitter_s: float = 0.25
+
+
+HealthState = Literal["healthy", "cooldown", "half_open"]
+
+
+@dataclass
+class Health:
+    """One provider's circuit, driven by explicit ``now`` values so it stays pure."""
+
+    policy: HealthPolicy = field(default_factory=HealthPolicy)
+    failures: list[float] = field(default_factory=list)
+    cooldown_until: float | None = None
+    probing: bool = False
+    last_error: str | None = None
+
+    def state(self, now: float) -> HealthState:
+        """``healthy``; ``cooldown``; ``half_open`` once the cooldown has elapsed."""
+        if self.cooldown_until is None:
+            return "healthy"
+        return "cooldown" if now < self.cooldown_until else "half_open"
+
+    def available(self, now: float) -> bool:
+        """Usable now: healthy, or half-open with no probe in flight (one probe at a time)."""
+        state = self.state(now)
+        return state == "healthy" or (state == "half_open" and not self.probing)
+
+    def failed(self, now: float, error: str, retry_after_s: float | None, *, immediate: bool) -> None:
+        """Count a health failure; trip the cooldown (or restart it, e.g. a failed probe) when due."""
+        self.last_error = error
+        self.failures = [t for t in self.failures if t > now - self.policy.window_s] + [now]
+        tripped = len(self.failures) > self.policy.allowed_failures or self.cooldown_until is not None
+        if immediate or retry_after_s is not None or tripped:
+            wait = self.policy.cooldown_s
+            if retry_after_s is not None:
+                wait = min(retry_after_s, self.policy.max_retry_after_s)
+            self.cooldown_until, self.failures = now + wait, []
+
+    def recovered(self) -> None:
+        """A probe succeeded: close the circuit."""
+        self.cooldown_until, self.failures, self.last_error = None, [], None
