@@ -1,17 +1,22 @@
 """fusion-graph: a LangGraph agent that routes each step to a cloud or a local (llama-server) model."""
 
+from fusion_graph.chain import ChainLink, ProviderChain
 from fusion_graph.context import FusionContext
 from fusion_graph.graph import build_graph, graph
+from fusion_graph.resolver import ProviderResolver
 from fusion_graph.routing import Leg, Mode, RouteDecision, StepScore, StepSignals, decide_leg, score_step
 from fusion_graph.state import InputState, RouteRecord, State
 from fusion_graph.tools import TOOLS, make_workspace_tools
 
 __all__ = [
     "TOOLS",
+    "ChainLink",
     "FusionContext",
     "InputState",
     "Leg",
     "Mode",
+    "ProviderChain",
+    "ProviderResolver",
     "RouteDecision",
     "RouteRecord",
     "State",

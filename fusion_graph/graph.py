@@ -62,6 +62,7 @@ def build_graph(
     store: BaseStore | None = None,
     count_tokens: TokenCounter = approximate_tokens,
     chain: ProviderChain | None = None,
+    resolver: ProviderResolver | None = None,
 ) -> CompiledStateGraph[State, FusionContext, InputState, State]:
     """Build and compile the fusion graph.
 
@@ -76,9 +77,16 @@ def build_graph(
         count_tokens: The token estimator used for every routing signal.
         chain: A provider chain of your own (more providers, custom health policy or
             pricing) instead of ``cloud_model``/``local_model``.
+        resolver: A ``ProviderResolver`` you keep, to close the graph's providers
+            (``await resolver.aclose()``) when your app shuts down; built from the
+            arguments above when ``None``.
     """
+    if resolver is None:
+        resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain)
+    elif cloud_model is not None or local_model is not None or chain is not None:
+        raise ValueError("pass either a resolver or cloud_model/local_model/chain, not both")
     nodes = Nodes(
-        resolver=ProviderResolver(cloud=cloud_model, local=local_model, chain=chain),
+        resolver=resolver,
         tools=TOOLS if tools is None else tools,
         count_tokens=count_tokens,
     )

@@ -9,70 +9,22 @@ The cloud leg is an OpenAI-compatible fake on loopback.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from langchain_core.messages import AIMessage, BaseMessage
-from langchain_core.outputs import ChatResult
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
-from pydantic import Field
 
 from fusion_graph import build_graph, make_workspace_tools
 from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.testing import LlamaServer
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
 from tests.llama_fixtures import N_SLOTS
+from tests.scripted_llama import Recorder, Script, ScriptedLlama
 
 pytestmark = pytest.mark.llama
-
-Script = list[list[tuple[str, dict[str, Any]]]]
-
-
-class Recorder:
-    """Captures every request body an httpx client sends."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-
-    async def __call__(self, request: httpx.Request) -> None:
-        if request.method == "POST" and request.url.path.endswith("/chat/completions"):
-            self.bodies.append(json.loads(request.content))
-
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(event_hooks={"request": [self]}, timeout=120)
-
-
-class ScriptedLlama(ChatLlamaServer):
-    """A real llama-server call whose answer's tool calls are then set from a script."""
-
-    script: list[list[tuple[str, dict[str, Any]]]] = Field(default_factory=list)
-
-    async def _agenerate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: Any = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        result = await super()._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
-        calls = self.script.pop(0) if self.script else []
-        real = result.generations[0].message
-        assert isinstance(real, AIMessage)
-        result.generations[0].message = AIMessage(
-            content="" if calls else "done",
-            tool_calls=[
-                {"name": n, "args": a, "id": f"call_{len(messages)}_{i}", "type": "tool_call"}
-                for i, (n, a) in enumerate(calls)
-            ],
-            usage_metadata=real.usage_metadata,
-            response_metadata=real.response_metadata,
-        )
-        return result
 
 
 @pytest.fixture(scope="module")
