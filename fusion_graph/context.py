@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter
 from pydantic.dataclasses import dataclass
@@ -166,6 +166,34 @@ class FusionContext:
         {},
         "USD per million (input, output, cached input) tokens by provider id or model name, "
         "for models the price catalogue does not know.",
+    )
+    sub_runners: Literal["local", "cloud", "off"] = _f(
+        "sub_runners",
+        "local",
+        "Leg of memory sub-runner jobs: 'local' (default; llama-server's reserved slot), 'cloud', or 'off'.",
+    )
+    memory_mode: Literal["inline", "background"] = _f(
+        "memory_mode",
+        "inline",
+        "'inline': memory jobs run as a graph node after the reply is written and streamed "
+        "(checkpointed, resumable). 'background': detached tasks; ainvoke returns at once, "
+        "jobs are lost if the process exits first.",
+    )
+    memory_every_k_steps: Annotated[int, Field(ge=0, le=1000)] = _f(
+        "memory_every_k_steps",
+        0,
+        "Also run memory jobs every K steps of a long turn, beside the next step (0: only after the reply).",
+    )
+    memory_recall_limit: Annotated[int, Field(ge=0, le=50)] = _f(
+        "memory_recall_limit",
+        5,
+        "Stored memories given to the plan step of a turn (most relevant, then newest).",
+    )
+    memory_timeout_s: Annotated[float, Field(gt=0)] = _f(
+        "memory_timeout_s", 60.0, "Seconds a memory job may take before it is dropped."
+    )
+    memory_max_tokens: Annotated[int, Field(ge=16, le=8192)] = _f(
+        "memory_max_tokens", 512, "Completion budget of one memory job answer."
     )
     request_timeout: Annotated[float, Field(gt=0)] = _f(
         "request_timeout", 120.0, "Seconds before a model request is abandoned."

@@ -19,6 +19,7 @@ from langgraph.store.base import BaseStore
 
 from fusion_graph.chain import ProviderChain
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
 from fusion_graph.nodes import Nodes
 from fusion_graph.resolver import ProviderResolver
 from fusion_graph.signals import TokenCounter, approximate_tokens
@@ -29,25 +30,34 @@ from fusion_graph.turn import continuation_route, last_ai, next_step, wants_tool
 GRAPH_NAME = "fusion"
 
 
-def after_model(state: State) -> Literal["tools", "__end__"]:
-    """An answer with tool calls goes to the tool node; a plain reply ends the turn."""
-    return "tools" if wants_tools(last_ai(state["messages"])) else "__end__"
+def memory_on(runtime: Runtime[FusionContext]) -> bool:
+    """Whether memory jobs can run: a store is attached and ``sub_runners`` is not ``off``."""
+    return runtime.store is not None and ensure_context(runtime.context).sub_runners != "off"
+
+
+def after_model(state: State, runtime: Runtime[FusionContext]) -> Literal["tools", "memory", "__end__"]:
+    """Tool calls go to the tool node; a reply ends the turn, via the memory side branch."""
+    if wants_tools(last_ai(state["messages"])):
+        return "tools"
+    return "memory" if memory_on(runtime) else "__end__"
 
 
 def make_router(count_tokens: TokenCounter):  # type: ignore[no-untyped-def]
     """The routing edge after a tool batch: limits and repairs first, then the score."""
 
-    async def route(
-        state: State, runtime: Runtime[FusionContext]
-    ) -> Literal["local", "cloud", "repair", "step_limit", "give_up"]:
+    async def route(state: State, runtime: Runtime[FusionContext]) -> str | list[str]:
         context = ensure_context(runtime.context)
-        if next_step(state) >= context.max_steps:
+        step = next_step(state)
+        if step >= context.max_steps:
             return "step_limit"
         if state.get("repair_error"):
             if state.get("repair_attempts", 0) >= context.max_repair_attempts:
                 return "give_up"
             return "repair"
         decision, _ = continuation_route(state, context, count_tokens)
+        every = context.memory_every_k_steps
+        if every and step % every == 0 and memory_on(runtime):
+            return [decision.leg, "memory"]  # the side branch runs beside the next step
         return decision.leg
 
     return route
@@ -63,6 +73,7 @@ def build_graph(
     count_tokens: TokenCounter = approximate_tokens,
     chain: ProviderChain | None = None,
     resolver: ProviderResolver | None = None,
+    memory_jobs: Sequence[MemoryJob] = DEFAULT_JOBS,
 ) -> CompiledStateGraph[State, FusionContext, InputState, State]:
     """Build and compile the fusion graph.
 
@@ -80,6 +91,7 @@ def build_graph(
         resolver: A ``ProviderResolver`` you keep, to close the graph's providers
             (``await resolver.aclose()``) when your app shuts down; built from the
             arguments above when ``None``.
+        memory_jobs: Structured memory jobs run after each reply (needs a store).
     """
     if resolver is None:
         resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain)
@@ -89,6 +101,8 @@ def build_graph(
         resolver=resolver,
         tools=TOOLS if tools is None else tools,
         count_tokens=count_tokens,
+        memory_jobs=memory_jobs,
+        graph_name=GRAPH_NAME,
     )
     builder = StateGraph(State, context_schema=FusionContext, input_schema=InputState)
     builder.add_node("plan", nodes.plan)
@@ -98,15 +112,17 @@ def build_graph(
     builder.add_node("repair", nodes.repair)
     builder.add_node("step_limit", nodes.step_limit)
     builder.add_node("give_up", nodes.give_up)
+    builder.add_node("memory", nodes.memory)
 
     builder.add_edge(START, "plan")
     for executor in ("plan", "local", "cloud", "repair"):
-        builder.add_conditional_edges(executor, after_model, ["tools", END])
+        builder.add_conditional_edges(executor, after_model, ["tools", "memory", END])
     builder.add_conditional_edges(
-        "tools", make_router(count_tokens), ["local", "cloud", "repair", "step_limit", "give_up"]
+        "tools", make_router(count_tokens), ["local", "cloud", "repair", "step_limit", "give_up", "memory"]
     )
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)
+    builder.add_edge("memory", END)
     return builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME)
 
 

@@ -31,3 +31,20 @@ REPAIR_EXHAUSTED = (
     "I could not produce a valid tool call after {attempts} repair attempts, so this turn "
     "ended here. Last error: {error}"
 )
+
+MEMORY_INSTRUCTIONS = (
+    "You maintain the long-term memory of a software agent. From the conversation excerpt, "
+    "list what is worth remembering in later conversations: durable facts about the user or "
+    "the project, decisions taken, and tasks left open. Skip anything transient. Reply with "
+    "JSON only, matching the schema; an empty list is a fine answer."
+)
+
+MEMORY_REPAIR = (
+    "Your previous answer was not valid for the schema: {error}. Reply again with JSON only, "
+    "matching the schema exactly."
+)
+
+#: ``name`` of the message that carries recalled memories into a turn.
+MEMORY_MESSAGE_NAME = "recalled_memories"
+
+RECALLED_MEMORIES = "Relevant memories from earlier conversations (most relevant first):\n{items}"

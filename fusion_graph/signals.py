@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.utils import count_tokens_approximately
 
+from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.routing import StepSignals
 
 TokenCounter = Callable[[Sequence[BaseMessage]], int]
@@ -24,9 +25,13 @@ def approximate_tokens(messages: Sequence[BaseMessage]) -> int:
 
 
 def turn_start(messages: Sequence[BaseMessage]) -> int:
-    """Index of this turn's user message: the last ``HumanMessage`` (0 when none)."""
+    """Index of this turn's user message: the last ``HumanMessage`` (0 when none).
+
+    The message that carries recalled memories is part of the turn, not its start.
+    """
     for index in range(len(messages) - 1, -1, -1):
-        if isinstance(messages[index], HumanMessage):
+        message = messages[index]
+        if isinstance(message, HumanMessage) and message.name != MEMORY_MESSAGE_NAME:
             return index
     return 0
 

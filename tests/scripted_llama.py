@@ -46,6 +46,8 @@ class ScriptedLlama(ChatLlamaServer):
         **kwargs: Any,
     ) -> ChatResult:
         result = await super()._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
+        if "response_format" in kwargs:
+            return result  # structured (memory) jobs keep the real, grammar-constrained answer
         calls = self.script.pop(0) if self.script else []
         real = result.generations[0].message
         assert isinstance(real, AIMessage)

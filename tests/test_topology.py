@@ -25,15 +25,20 @@ def test_nodes_and_edges() -> None:
         "repair",
         "step_limit",
         "give_up",
+        "memory",
         "__end__",
     }
     edges = {(e.source, e.target, e.conditional) for e in drawn.edges}
     assert ("__start__", "plan", False) in edges
     for executor in ("plan", "local", "cloud", "repair"):
-        assert {(executor, "tools", True), (executor, "__end__", True)} <= edges
+        assert {(executor, "tools", True), (executor, "memory", True), (executor, "__end__", True)} <= edges
     routed = {target for source, target, conditional in edges if source == "tools" and conditional}
-    assert routed == {"local", "cloud", "repair", "step_limit", "give_up"}
-    assert {("step_limit", "__end__", False), ("give_up", "__end__", False)} <= edges
+    assert routed == {"local", "cloud", "repair", "step_limit", "give_up", "memory"}
+    assert {
+        ("step_limit", "__end__", False),
+        ("give_up", "__end__", False),
+        ("memory", "__end__", False),
+    } <= edges
 
 
 def test_mermaid_matches_the_snapshot() -> None:
