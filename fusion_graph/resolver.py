@@ -53,6 +53,7 @@ class ProviderResolver:
         self._chains: dict[tuple[Any, ...], ProviderChain] = {}
         self._pools: dict[tuple[str, int, bool], SlotPool] = {}
         self._lock = asyncio.Lock()
+        self._closed = False
 
     def _link_key(self, leg: Leg, context: FusionContext) -> tuple[Any, ...]:
         overrides, local_price = _prices(context)
@@ -88,6 +89,8 @@ class ProviderResolver:
 
     async def chain(self, context: FusionContext) -> ProviderChain:
         """The chain for ``context``: ``[cloud, local]`` with the context's health policy."""
+        if self._closed:
+            raise RuntimeError("the provider resolver is closed: build a new graph to run again")
         if self._fixed_chain is not None:
             return self._fixed_chain
         policy = HealthPolicy(
@@ -135,7 +138,8 @@ class ProviderResolver:
         return self._pools[key]
 
     async def aclose(self) -> None:
-        """Close every chain and every link (each exactly once)."""
+        """Close every chain and every link (each exactly once); later runs are refused."""
+        self._closed = True
         chains = list(self._chains.values()) + ([self._fixed_chain] if self._fixed_chain else [])
         for chain in chains:
             await chain.aclose()

@@ -56,6 +56,7 @@ class FakeOpenAI:
         """Serve ``replies`` in order (the last repeats), or call ``replies(body)`` per request."""
         self.requests: list[dict[str, Any]] = []
         self._replies = replies
+        self._script_start = 0
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -69,9 +70,10 @@ class FakeOpenAI:
         return f"http://{host!s}:{port}/v1"
 
     def script(self, replies: Sequence[Reply] | Callable[[dict[str, Any]], Reply]) -> None:
-        """Replace the script (for the requests still to come)."""
+        """Replace the script: its first reply answers the next request."""
         with self._lock:
             self._replies = replies
+            self._script_start = len(self.requests)
 
     def _next(self, body: dict[str, Any]) -> Reply:
         with self._lock:
@@ -80,7 +82,7 @@ class FakeOpenAI:
                 return self._replies(body)
             if not self._replies:
                 return Reply()
-            index = min(len(self.requests) - 1, len(self._replies) - 1)
+            index = min(len(self.requests) - 1 - self._script_start, len(self._replies) - 1)
             return list(self._replies)[index]
 
     def start(self) -> Self:

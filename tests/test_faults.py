@@ -1,0 +1,441 @@
+"""Fault injection end to end: a provider fails mid-turn, the chain falls over, the checkpoint stays whole.
+
+Both legs are OpenAI-compatible fakes on loopback (``FakeOpenAI``), which answer a
+429 with Retry-After, a 500, a hang past the client timeout or a malformed body on
+demand. Every graph runs on a real SQLite checkpointer, and every test checks that
+the checkpointed thread holds each completed step exactly once. A real llama-server
+killed mid-turn is in ``test_faults_llama.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+from langgraph.graph.state import CompiledStateGraph
+
+from fusion_graph import FusionContext, ProviderChain, ProviderResolver, build_graph
+from fusion_graph.chain import ChainExhausted, ChainLink, close_chat_model
+from fusion_graph.llama import ChatLlamaServer
+from fusion_graph.pricing import Pricing, unit_prices
+from fusion_graph.prompts import MEMORY_MESSAGE_NAME
+from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+
+CLOUD_ID, LOCAL_ID = "cloud:gpt-4o-mini", "local:local"
+USER = "please do the task"
+Graph = CompiledStateGraph[Any, Any, Any, Any]
+
+
+def replies(*items: Reply) -> Callable[[dict[str, Any]], Reply]:
+    """Serve ``items`` in order from the next request on, the last one repeating.
+
+    (``FakeOpenAI.script([...])`` indexes a new list by all requests served so far,
+    so it would skip the head of a script given mid-test.)
+    """
+    queue = list(items)
+    return lambda _body: queue.pop(0) if len(queue) > 1 else queue[0]
+
+
+def calls(text: str, **usage: Any) -> Reply:
+    """An answer asking for one ``echo`` call (distinct texts keep the loop detector quiet)."""
+    return Reply(content="", tool_calls=[("echo", {"text": text})], **usage)
+
+
+@tool
+async def echo(text: str) -> str:
+    """Return the text unchanged."""
+    return text
+
+
+def cloud_model(fake: FakeOpenAI) -> ChatOpenAI:
+    return ChatOpenAI(
+        model="gpt-4o-mini",
+        base_url=fake.base_url,
+        api_key="x",
+        max_retries=0,
+        timeout=10,
+    )
+
+
+def local_model(fake: FakeOpenAI, timeout: float = 1.0) -> ChatLlamaServer:
+    return ChatLlamaServer(
+        model="local",
+        base_url=fake.base_url,
+        api_key="x",
+        max_retries=0,
+        timeout=timeout,
+    )
+
+
+def legs(out: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [(r["kind"], r["routed_leg"], r["leg"]) for r in out["route_log"]]
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Rig:
+    """One graph on one thread, with the resolver whose chains the test inspects."""
+
+    graph: Graph
+    resolver: ProviderResolver
+    context: dict[str, Any]
+    config: RunnableConfig = field(
+        default_factory=lambda: RunnableConfig(configurable={"thread_id": "faults"})
+    )
+
+    async def chain(self) -> ProviderChain:
+        return await self.resolver.chain(FusionContext(**self.context))
+
+    async def turn(self, text: str | None = USER) -> dict[str, Any]:
+        payload = None if text is None else {"messages": [("user", text)]}
+        out: dict[str, Any] = await self.graph.ainvoke(payload, self.config, context=self.context)
+        return out
+
+
+def make_rig(cloud: BaseChatModel, local: BaseChatModel, saver: AsyncSqliteSaver, **context: Any) -> Rig:
+    resolver = ProviderResolver(cloud=cloud, local=local)
+    graph = build_graph(resolver=resolver, tools=[echo], checkpointer=saver)
+    return Rig(graph, resolver, {"local_slots": 4, **context})
+
+
+async def checkpointed_once(graph: Graph, config: RunnableConfig, users: list[str]) -> dict[str, Any]:
+    """Assert the checkpointed thread holds every completed step exactly once; return its values."""
+    values: dict[str, Any] = (await graph.aget_state(config)).values
+    messages = values["messages"]
+    log = [r for r in values.get("route_log", []) if r["kind"] != "memory"]  # memory jobs answer no turn
+    ids = [m.id for m in messages]
+    assert None not in ids and len(set(ids)) == len(ids), f"duplicated message ids: {ids}"
+    answers = [m for m in messages if isinstance(m, AIMessage)]
+    assert len(answers) == len(log), "each completed inference is one AI message and one route record"
+    assert len({(r["turn"], r["step"]) for r in log}) == len(log), "a step was recorded twice"
+    asked = [c["id"] for m in answers for c in m.tool_calls]
+    answered = [m.tool_call_id for m in messages if isinstance(m, ToolMessage)]
+    assert Counter(answered) == Counter(asked) and len(set(asked)) == len(asked), (asked, answered)
+    said = [m.content for m in messages if isinstance(m, HumanMessage) and m.name != MEMORY_MESSAGE_NAME]
+    assert said == users
+    return values
+
+
+@pytest.fixture
+def cloud() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as fake:
+        yield fake
+
+
+@pytest.fixture
+def local() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def saver(tmp_path: Path) -> AsyncIterator[AsyncSqliteSaver]:
+    async with AsyncSqliteSaver.from_conn_string(str(tmp_path / "cp.sqlite")) as checkpointer:
+        yield checkpointer
+
+
+# --------------------------------------------------------------------------- one leg fails
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [
+        pytest.param(Reply(status=429, headers={"Retry-After": "7"}), "rate_limited", id="429"),
+        pytest.param(Reply(status=500), "server_error", id="500"),
+        pytest.param(Reply(delay=3.0), "timeout", id="hang"),
+        pytest.param(Reply(raw=b"{not json"), "malformed_response", id="malformed-json"),
+    ],
+)
+async def test_local_fault_mid_turn_falls_over_to_cloud(
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver, fault: Reply, kind: str
+) -> None:
+    cloud.script(replies(calls("plan"), Reply(content="done on cloud")))
+    local.script(replies(calls("local-1"), fault))
+    rig = make_rig(cloud_model(cloud), local_model(local, timeout=1.0), saver)
+    began = time.monotonic()
+    out = await rig.turn()
+    now = time.monotonic()
+
+    assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "local"), ("step", "local", "cloud")]
+    fallover = out["route_log"][2]
+    assert fallover["provider"] == CLOUD_ID
+    [attempt] = fallover["attempts"]
+    assert (attempt["provider"], attempt["leg"], attempt["kind"]) == (LOCAL_ID, "local", kind)
+    assert attempt["health_failure"] is True and attempt["probe"] is False
+    assert out["messages"][-1].content == "done on cloud"
+    assert (len(cloud.requests), len(local.requests)) == (2, 2)
+
+    health = (await rig.chain()).health(LOCAL_ID)
+    if kind == "rate_limited":  # cools down at once, for exactly the Retry-After
+        assert attempt["retry_after_s"] == 7.0
+        assert health.state(now) == "cooldown" and health.cooldown_until is not None
+        assert 7.0 - (now - began) <= health.cooldown_until - now <= 7.0
+    else:  # the default policy tolerates two failures in the window
+        assert attempt["retry_after_s"] is None
+        assert health.state(now) == "healthy" and len(health.failures) == 1
+    if kind == "timeout":  # abandoned at the client timeout, not when the reply came
+        assert 0.9 <= attempt["latency_s"] < 2.5
+    await checkpointed_once(rig.graph, rig.config, [USER])
+
+
+async def test_cloud_failing_the_plan_runs_the_plan_on_local(
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver
+) -> None:
+    cloud.script(replies(Reply(status=500)))
+    local.script(replies(calls("plan-on-local"), Reply(content="done locally")))
+    rig = make_rig(cloud_model(cloud), local_model(local), saver)
+    out = await rig.turn()
+
+    assert legs(out) == [("plan", "cloud", "local"), ("step", "local", "local")]
+    plan = out["route_log"][0]
+    assert plan["provider"] == LOCAL_ID and plan["slot"] is not None
+    [attempt] = plan["attempts"]
+    assert (attempt["provider"], attempt["leg"], attempt["kind"]) == (CLOUD_ID, "cloud", "server_error")
+    assert attempt["health_failure"] is True
+    assert out["messages"][-1].content == "done locally"
+    assert len(cloud.requests) == 1 and "id_slot" not in cloud.requests[0]
+    assert [body["id_slot"] for body in local.requests] == [plan["slot"]] * 2
+    await checkpointed_once(rig.graph, rig.config, [USER])
+
+
+# --------------------------------------------------------------------------- everything fails
+
+
+async def test_all_providers_down_raises_then_resumes_from_the_checkpoint(
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver
+) -> None:
+    cloud.script(replies(calls("plan"), Reply(status=500)))
+    local.script(replies(Reply(status=500)))
+    rig = make_rig(
+        cloud_model(cloud), local_model(local), saver, provider_allowed_failures=0, provider_cooldown_s=0.5
+    )
+    with pytest.raises(ChainExhausted) as raised:
+        await rig.turn()
+    message = str(raised.value)
+    assert CLOUD_ID in message and LOCAL_ID in message and message.count("[server_error]") == 2
+    assert [(a.provider, a.kind) for a in raised.value.attempts] == [
+        (LOCAL_ID, "server_error"),
+        (CLOUD_ID, "server_error"),
+    ]
+    assert raised.value.retry_in_s is not None and 0 < raised.value.retry_in_s <= 0.5
+
+    # What completed before the outage is checkpointed; the failed step is next.
+    snapshot = await rig.graph.aget_state(rig.config)
+    assert snapshot.next == ("local",)
+    values = await checkpointed_once(rig.graph, rig.config, [USER])
+    assert [type(m).__name__ for m in values["messages"]] == ["HumanMessage", "AIMessage", "ToolMessage"]
+    assert [(r["kind"], r["leg"]) for r in values["route_log"]] == [("plan", "cloud")]
+
+    cloud.script(replies(Reply(content="cloud is not needed")))
+    local.script(replies(calls("after-outage"), Reply(content="recovered")))
+    chain = await rig.chain()
+    await wait_until(
+        lambda: all(chain.health(p).state(time.monotonic()) == "half_open" for p in (CLOUD_ID, LOCAL_ID))
+    )
+    out = await rig.turn(None)  # resume the interrupted turn from its checkpoint
+
+    assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "local"), ("step", "local", "local")]
+    assert out["messages"][-1].content == "recovered"
+    assert len(cloud.requests) == 2, "the resumed turn re-ran the plan or asked the cloud"
+    assert chain.health(LOCAL_ID).state(time.monotonic()) == "healthy"
+    await checkpointed_once(rig.graph, rig.config, [USER])
+
+
+# --------------------------------------------------------------------------- cost attribution
+
+
+class ToFake(httpx.AsyncHTTPTransport):
+    """Sends every request to a loopback fake, so a model can keep OpenAI's own base URL."""
+
+    def __init__(self, fake: FakeOpenAI) -> None:
+        super().__init__()
+        self.port = httpx.URL(fake.base_url).port
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(scheme="http", host="127.0.0.1", port=self.port)
+        return await super().handle_async_request(request)
+
+
+async def test_costs_follow_the_provider_that_answered(
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("OPENAI_BASE_URL", "OPENAI_API_BASE"):
+        monkeypatch.delenv(name, raising=False)
+    # OpenAI's base URL (the catalogue prices a known model there; an unknown URL stays unpriced).
+    priced_cloud = ChatOpenAI(
+        model="gpt-4o-mini",
+        api_key="x",
+        max_retries=0,
+        http_async_client=httpx.AsyncClient(transport=ToFake(cloud), timeout=10),
+    )
+    cloud.script(
+        replies(calls("plan", prompt_tokens=2000, cached_tokens=500), calls("rescue", prompt_tokens=3000))
+    )
+    local.script(
+        replies(
+            Reply(content="one two three", tool_calls=[("echo", {"text": "l1"})], prompt_tokens=1000),
+            Reply(status=500),
+            Reply(content="done", prompt_tokens=4000, cached_tokens=3500),
+        )
+    )
+    rig = make_rig(
+        priced_cloud, local_model(local), saver, local_price_per_mtok=(1.0, 2.0), override_provider=CLOUD_ID
+    )
+    out = await rig.turn()
+    await priced_cloud.http_async_client.aclose()  # type: ignore[union-attr]
+
+    assert (await rig.chain()).override == CLOUD_ID
+    log = out["route_log"]
+    assert [(r["routed_leg"], r["leg"]) for r in log] == [
+        ("cloud", "cloud"),
+        ("local", "local"),  # the routed leg beats the override
+        ("local", "cloud"),  # fell over
+        ("local", "local"),
+    ]
+    assert (log[1]["prompt_tokens"], log[1]["completion_tokens"]) == (1000, 3)
+    assert log[1]["cost_usd"] == pytest.approx((1000 * 1.0 + 3 * 2.0) / 1e6, rel=1e-12)
+    # The local price has no cache discount: cached prompt tokens cost the input price.
+    assert log[3]["cost_usd"] == pytest.approx((4000 * 1.0 + 1 * 2.0) / 1e6, rel=1e-12)
+
+    mini = unit_prices(Pricing.catalog("gpt-4o-mini"))
+    assert mini is not None and mini.input > 0 and mini.output > 0 and mini.cached_input is not None
+    for record in (log[0], log[2]):  # the plan and the fallover are billed at gpt-4o-mini's prices
+        cached = record["cached_tokens"] or 0
+        expected = (record["prompt_tokens"] - cached) * mini.input + cached * mini.cached_input
+        expected = (expected + record["completion_tokens"] * mini.output) / 1e6
+        assert record["cost_usd"] > 0 and record["cost_usd"] == pytest.approx(expected, rel=1e-9)
+    assert log[2]["cost_usd"] != pytest.approx((3000 * 1.0 + 1 * 2.0) / 1e6)
+
+    totals = out["totals"]
+    assert totals["cost_usd"] == pytest.approx(sum(r["cost_usd"] for r in log), rel=1e-12)
+    assert totals["unpriced"] == 0
+    assert (totals["cloud"]["inferences"], totals["local"]["inferences"]) == (2, 2)
+    assert totals["local"]["prompt_tokens"] == 5000 and totals["cloud"]["cached_tokens"] == 500
+    await checkpointed_once(rig.graph, rig.config, [USER])
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def count_closes(links: Iterable[ChainLink]) -> Counter[str]:
+    """Count each link's teardowns (its ``close`` callable), not just its ``closed`` flag."""
+    counts: Counter[str] = Counter()
+    for link in links:
+
+        async def counted(model: BaseChatModel, link: ChainLink = link, close: Any = link.close) -> None:
+            counts[link.id] += 1
+            await close(model)
+
+        link.close = counted
+    return counts
+
+
+def client_closed(link: ChainLink) -> bool:
+    """Whether the HTTP client a default-built model owns is closed."""
+    model = link.model
+    assert isinstance(model, ChatOpenAI) and isinstance(model.http_async_client, httpx.AsyncClient)
+    return model.http_async_client.is_closed
+
+
+@pytest.fixture
+def default_models(cloud: FakeOpenAI, local: FakeOpenAI, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Context for default-built models (key from the environment) pointed at the fakes."""
+    monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+    cloud.script(lambda body: calls(f"plan-{len(cloud.requests)}"))
+    local.script(lambda body: calls("step") if body["messages"][-1]["content"] != "step" else Reply("done"))
+    return {
+        "cloud_model": "gpt-4o-mini",
+        "cloud_base_url": cloud.base_url,
+        "local_base_url": local.base_url,
+        "local_slots": 4,
+        "request_timeout": 10.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "swap", [{"cloud_model": "gpt-4o"}, {"override_provider": CLOUD_ID}], ids=["cloud-model", "override"]
+)
+async def test_context_swap_keeps_the_local_provider_and_close_tears_down_each_once(
+    local: FakeOpenAI, saver: AsyncSqliteSaver, default_models: dict[str, Any], swap: dict[str, str]
+) -> None:
+    resolver = ProviderResolver()
+    graph: Graph = build_graph(resolver=resolver, tools=[echo], checkpointer=saver)
+    config: RunnableConfig = {"configurable": {"thread_id": "swap"}}
+    first, second = default_models, default_models | swap
+    await graph.ainvoke({"messages": [("user", "turn one")]}, config, context=first)
+    asked_before = len(local.requests)
+    out = await graph.ainvoke({"messages": [("user", "turn two")]}, config, context=second)
+
+    one = await resolver.chain(FusionContext(**first))
+    two = await resolver.chain(FusionContext(**second))
+    assert one is not two
+    assert one.links[1] is two.links[1], "the local provider was rebuilt by a context swap"
+    cloud_two = "cloud:gpt-4o" if "cloud_model" in swap else CLOUD_ID
+    assert (one.links[0] is two.links[0]) == (cloud_two == CLOUD_ID)
+    turn_two = [(r["kind"], r["leg"], r["provider"]) for r in out["route_log"] if r["turn"] == 1]
+    assert turn_two == [
+        ("plan", "cloud", cloud_two),
+        ("step", "local", LOCAL_ID),
+        ("step", "local", LOCAL_ID),
+    ]
+    assert len(local.requests) == asked_before + 2
+    await checkpointed_once(graph, config, ["turn one", "turn two"])
+
+    links = list({id(link): link for link in one.links + two.links}.values())
+    assert len(links) == (3 if "cloud_model" in swap else 2)
+    assert not any(link.closed or client_closed(link) for link in links)
+    closes = count_closes(links)
+    await resolver.aclose()
+    assert closes == Counter({link.id: 1 for link in links})
+    assert all(link.closed and client_closed(link) for link in links)
+    await resolver.aclose()  # closing twice is harmless and tears nothing down again
+    for link in links:
+        await link.aclose()
+        await close_chat_model(link.model)
+    assert closes == Counter({link.id: 1 for link in links})
+
+    async def invoke(link: ChainLink) -> Any:
+        return await link.model.ainvoke("hi")
+
+    with pytest.raises(RuntimeError, match="closed"):
+        await two.call(invoke, preferred_leg="local")
+
+
+async def test_the_graph_refuses_to_run_after_its_resolver_closed(
+    local: FakeOpenAI, saver: AsyncSqliteSaver, default_models: dict[str, Any]
+) -> None:
+    resolver = ProviderResolver()
+    graph: Graph = build_graph(resolver=resolver, tools=[echo], checkpointer=saver)
+    config: RunnableConfig = {"configurable": {"thread_id": "closed"}}
+    await graph.ainvoke({"messages": [("user", "before close")]}, config, context=default_models)
+    await resolver.aclose()
+    asked = len(local.requests)
+    try:
+        await graph.ainvoke({"messages": [("user", "after close")]}, config, context=default_models)
+    except Exception as error:  # any loud failure will do; a silent success will not
+        assert "close" in str(error), f"failed, but not saying the providers are closed: {error!r}"
+    else:
+        rebuilt = len(resolver._links)
+        raise AssertionError(
+            f"a run after resolver.aclose() succeeded: the resolver silently rebuilt {rebuilt} providers "
+            f"(new HTTP clients nobody closes) and sent {len(local.requests) - asked} local requests"
+        )
