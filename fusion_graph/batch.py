@@ -159,3 +159,24 @@ def plan_batch(
         else:
             plan.run.append(call)
     return plan
+
+
+def batch_notice(
+    message: AIMessage,
+    *,
+    earlier_in_turn: Sequence[BaseMessage],
+    max_calls: int,
+    loop_repeat_limit: int,
+) -> bool:
+    """Whether ``message``'s batch trips trimming or the loop detector, treating every call as valid.
+
+    For replaying recorded conversations, where tool schemas are unknown: the
+    graph itself plans batches with the real tools (``plan_batch``).
+    """
+    counts = prior_call_counts(earlier_in_turn)
+    for index, call in enumerate(message.tool_calls):
+        key = call_key(call["name"], call["args"])
+        counts[key] += 1
+        if index >= max_calls or counts[key] >= loop_repeat_limit:
+            return True
+    return False

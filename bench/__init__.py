@@ -1,0 +1,1 @@
+"""Benchmarks that run against a real llama-server (see bench/README.md)."""
