@@ -10,7 +10,6 @@ model run (visible in LangGraph Studio and LangSmith traces).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage
@@ -22,8 +21,7 @@ from langgraph.runtime import Runtime
 
 from fusion_graph.chain import ChainLink, ProviderChain
 from fusion_graph.context import FusionContext
-from fusion_graph.pricing import price
-from fusion_graph.records import make_record
+from fusion_graph.records import answered_record
 from fusion_graph.routing import RouteDecision, StepSignals
 from fusion_graph.signals import build_prompt
 from fusion_graph.slots import slot_body
@@ -91,22 +89,14 @@ async def infer(
         return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
 
     outcome = await chain.call(invoke, preferred_leg=decision.leg, prefer_provider=prefer_provider)
-    link, answer = outcome.provider, outcome.answer
-    record = make_record(
+    record = answered_record(
+        outcome,
         turn=turn,
         step=step,
         kind=kind,
-        leg=link.leg,
         decision=decision,
         signals=signals,
-        provider=link.id,
-        answer=answer,
-        slot=slots.get(link.id),
-        attempts=[asdict(attempt) for attempt in outcome.attempts],
-        extra={"probe": outcome.probe, "latency_s": round(outcome.latency_s, 4)},
-    )
-    record["cost_usd"] = price(
-        link.pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]
+        slot=slots.get(outcome.provider.id),
     )
     runtime.stream_writer({"event": ROUTE_EVENT, **record})
-    return answer, record
+    return outcome.answer, record

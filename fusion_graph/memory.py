@@ -15,7 +15,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -27,8 +27,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from fusion_graph import prompts
 from fusion_graph.chain import ChainLink, ProviderChain
-from fusion_graph.pricing import price
-from fusion_graph.records import make_record
+from fusion_graph.records import answered_record, make_record
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.slots import slot_body
 from fusion_graph.state import RouteRecord
@@ -185,21 +184,15 @@ async def run_job(
             logger.warning("memory job %s failed: %r", job.name, failure)
             return None, records, f"provider error: {type(failure).__name__}: {failure}"
         link, answer = outcome.provider, outcome.answer
-        record = make_record(
+        record = answered_record(
+            outcome,
             turn=turn,
             step=step,
             kind="memory",
-            leg=link.leg,
             decision=decision,
             signals=None,
-            provider=link.id,
-            answer=answer,
             slot=slots.get(link.id),
-            attempts=[asdict(a) for a in outcome.attempts],
             extra={"job": job.name, "repair": attempt > 0},
-        )
-        record["cost_usd"] = price(
-            link.pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]
         )
         records.append(record)
         try:

@@ -7,6 +7,8 @@ from typing import Any
 
 from langchain_core.messages import AIMessage
 
+from fusion_graph.chain import ChainOutcome
+from fusion_graph.pricing import price
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.state import RouteRecord, StepKind
 
@@ -89,3 +91,35 @@ def totals_of(record: RouteRecord) -> dict[str, Any]:
             "completion_tokens": record["completion_tokens"] or 0,
         },
     }
+
+
+def answered_record(
+    outcome: ChainOutcome[AIMessage],
+    *,
+    turn: int,
+    step: int,
+    kind: StepKind,
+    decision: RouteDecision,
+    signals: StepSignals | None,
+    slot: int | None,
+    extra: dict[str, Any] | None = None,
+) -> RouteRecord:
+    """The record of an inference the chain got an answer for, priced at the answering provider."""
+    link = outcome.provider
+    record = make_record(
+        turn=turn,
+        step=step,
+        kind=kind,
+        leg=link.leg,
+        decision=decision,
+        signals=signals,
+        provider=link.id,
+        answer=outcome.answer,
+        slot=slot,
+        attempts=[asdict(attempt) for attempt in outcome.attempts],
+        extra={"probe": outcome.probe, "latency_s": round(outcome.latency_s, 4), **(extra or {})},
+    )
+    record["cost_usd"] = price(
+        link.pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]
+    )
+    return record
