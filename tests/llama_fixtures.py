@@ -75,3 +75,16 @@ def llama_server(
             f"llama-server ready in {time.perf_counter() - started:.2f} s: {server!r}, log {server.log_path}"
         )
         yield server
+
+
+@pytest.fixture(scope="module")
+def own_llama_server(
+    llama_server_bin: Path,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[LlamaServer]:
+    """A server for one test module alone: other modules' unpinned requests cannot touch its slots."""
+    log = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]) / "server.log"
+    with LlamaServer(tiny_model, binary=llama_server_bin, n_slots=N_SLOTS, log_path=log) as server:
+        yield server

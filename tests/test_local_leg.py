@@ -21,20 +21,9 @@ from fusion_graph import build_graph, make_workspace_tools
 from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.testing import LlamaServer
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
-from tests.llama_fixtures import N_SLOTS
 from tests.scripted_llama import Recorder, Script, ScriptedLlama
 
 pytestmark = pytest.mark.llama
-
-
-@pytest.fixture(scope="module")
-def llama_server(
-    llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LlamaServer]:
-    """A server of this module's own: other modules' unpinned requests cannot touch its slots."""
-    log = tmp_path_factory.mktemp("local-leg") / "server.log"
-    with LlamaServer(tiny_model, binary=llama_server_bin, n_slots=N_SLOTS, log_path=log) as server:
-        yield server
 
 
 @pytest.fixture
@@ -84,7 +73,7 @@ def local_requests(bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def test_consecutive_local_steps_reuse_cache_and_cloud_step_does_not_cost_it(
-    llama_server: LlamaServer, cloud: FakeOpenAI, workspace: Path
+    own_llama_server: LlamaServer, cloud: FakeOpenAI, workspace: Path
 ) -> None:
     cloud.script([Reply(content="Plan: read a.txt", tool_calls=[("read_file", {"path": "a.txt"})])])
     local_rec, cloud_rec = Recorder(), Recorder()
@@ -92,7 +81,7 @@ async def test_consecutive_local_steps_reuse_cache_and_cloud_step_does_not_cost_
     script += [[("list_dir", {"path": "."})], []]
     graph = build_graph(
         cloud_model=cloud_model(cloud, cloud_rec),
-        local_model=local_model(llama_server, local_rec, script),
+        local_model=local_model(own_llama_server, local_rec, script),
         tools=make_workspace_tools(workspace),
         checkpointer=InMemorySaver(),
     )
@@ -132,7 +121,7 @@ async def test_consecutive_local_steps_reuse_cache_and_cloud_step_does_not_cost_
 
 
 async def test_two_threads_keep_separate_slots_and_caches(
-    llama_server: LlamaServer, cloud: FakeOpenAI, workspace: Path
+    own_llama_server: LlamaServer, cloud: FakeOpenAI, workspace: Path
 ) -> None:
     local_rec, cloud_rec = Recorder(), Recorder()
     # mode=local: every inference is a local step, so the threads interleave on the server.
@@ -140,7 +129,7 @@ async def test_two_threads_keep_separate_slots_and_caches(
     script += [[("read_file", {"path": "c.txt"})], [("list_dir", {"path": "."})], [], []]
     graph = build_graph(
         cloud_model=cloud_model(cloud, cloud_rec),
-        local_model=local_model(llama_server, local_rec, script),
+        local_model=local_model(own_llama_server, local_rec, script),
         tools=make_workspace_tools(workspace),
         checkpointer=InMemorySaver(),
     )
@@ -166,10 +155,10 @@ async def test_two_threads_keep_separate_slots_and_caches(
     assert not cloud_rec.bodies and not cloud.requests
 
 
-async def test_streamed_local_answer_keeps_usage_and_timings(llama_server: LlamaServer) -> None:
+async def test_streamed_local_answer_keeps_usage_and_timings(own_llama_server: LlamaServer) -> None:
     model = ChatLlamaServer(
         model="tiny",
-        base_url=llama_server.openai_base_url,
+        base_url=own_llama_server.openai_base_url,
         api_key="none",  # type: ignore[arg-type]
         max_tokens=4,
         stream_usage=True,

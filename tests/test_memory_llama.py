@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -33,17 +32,8 @@ class TinyMemories(BaseModel):
     items: list[TinyItem] = Field(max_length=2)
 
 
-@pytest.fixture(scope="module")
-def llama_server(
-    llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LlamaServer]:
-    log = tmp_path_factory.mktemp("memory-llama") / "server.log"
-    with LlamaServer(tiny_model, binary=llama_server_bin, n_slots=N_SLOTS, log_path=log) as server:
-        yield server
-
-
 async def test_memory_job_on_the_reserved_slot_leaves_the_conversation_cache_intact(
-    llama_server: LlamaServer, tmp_path: Path
+    own_llama_server: LlamaServer, tmp_path: Path
 ) -> None:
     (tmp_path / "a.txt").write_text("alpha\n" * 30)
     (tmp_path / "b.txt").write_text("beta\n" * 30)
@@ -51,7 +41,7 @@ async def test_memory_job_on_the_reserved_slot_leaves_the_conversation_cache_int
     script: Script = [[("read_file", {"path": "b.txt"})], [], [("list_dir", {"path": "."})], []]
     local = ScriptedLlama(
         model="tiny",
-        base_url=llama_server.openai_base_url,
+        base_url=own_llama_server.openai_base_url,
         api_key="none",  # type: ignore[arg-type]
         max_tokens=4,
         temperature=0,
