@@ -31,20 +31,36 @@ def server_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
+class NotLlamaServer(ValueError):
+    """The local endpoint answers, but not as llama-server (no ``/props`` with ``total_slots``)."""
+
+
 async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
-    """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``)."""
+    """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``).
+
+    Raises:
+        LlamaServerUnavailable: The server could not be reached.
+        NotLlamaServer: It answered, but is not llama-server (e.g. another
+            OpenAI-compatible server), so there are no slots to pin.
+    """
     url = server_root(base_url) + "/props"
     # Building a client loads certificates (blocking I/O): do it off the event loop.
     client = await asyncio.to_thread(httpx.AsyncClient, timeout=timeout)
     try:
         async with client:
             response = await client.get(url)
-            response.raise_for_status()
-            total = response.json().get("total_slots")
-    except (httpx.HTTPError, ValueError) as error:
+    except httpx.HTTPError as error:
         raise LlamaServerUnavailable(f"cannot read {url} ({error!r}); {START_HINT}") from error
+    if response.status_code >= 500:
+        raise LlamaServerUnavailable(f"{url} answered {response.status_code}; is llama-server still loading?")
+    try:
+        total = response.json().get("total_slots") if response.status_code == 200 else None
+    except ValueError:
+        total = None
     if not isinstance(total, int) or total < 1:
-        raise LlamaServerUnavailable(f"{url} did not report total_slots; is this llama-server?")
+        raise NotLlamaServer(
+            f"{url} did not report total_slots (HTTP {response.status_code}): not llama-server"
+        )
     return total
 
 

@@ -11,6 +11,7 @@ outlive single runs so live threads keep their slots.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
@@ -18,11 +19,13 @@ from langchain_core.language_models import BaseChatModel
 from fusion_graph.chain import ChainLink, ProviderChain
 from fusion_graph.context import FusionContext
 from fusion_graph.health import HealthPolicy
-from fusion_graph.llama import fetch_total_slots
+from fusion_graph.llama import LlamaServerUnavailable, NotLlamaServer, fetch_total_slots
 from fusion_graph.pricing import TokenPrices, pricing_for
 from fusion_graph.providers import Provider, build_cloud_model, build_local_model, model_name
 from fusion_graph.routing import Leg
 from fusion_graph.slots import SlotPool
+
+logger = logging.getLogger(__name__)
 
 
 def _prices(context: FusionContext) -> tuple[dict[str, TokenPrices], TokenPrices]:
@@ -54,6 +57,7 @@ class ProviderResolver:
         self._pools: dict[tuple[str, int, bool], SlotPool] = {}
         self._lock = asyncio.Lock()
         self._closed = False
+        self._not_llama: set[str] = set()
 
     def _link_key(self, leg: Leg, context: FusionContext) -> tuple[Any, ...]:
         overrides, local_price = _prices(context)
@@ -119,19 +123,30 @@ class ProviderResolver:
         """The slot pool of a local llama-server link, or ``None`` for anything else.
 
         The slot count is ``context.local_slots`` when set, else the server's own
-        ``total_slots`` (asked once per base URL).
+        ``total_slots`` (asked once per base URL). A local server that is not
+        llama-server (no ``/props``) runs without slot affinity; one that cannot
+        be reached gets no slot for this call (the call itself will then fail
+        over, or succeed if the server is back).
         """
         url = link.as_provider().base_url
-        if link.leg != "local" or url is None:
+        if link.leg != "local" or url is None or url in self._not_llama:
             return None
         reserve = context.reserve_reflection_slot
         if not context.local_slots:
             known = [pool for (u, _, r), pool in self._pools.items() if u == url and r == reserve]
             if known:
                 return known[0]
-        total = context.local_slots or await fetch_total_slots(
-            url, timeout=min(context.request_timeout, 10.0)
-        )
+        total = context.local_slots
+        if not total:
+            try:
+                total = await fetch_total_slots(url, timeout=min(context.request_timeout, 10.0))
+            except NotLlamaServer as error:
+                logger.warning("%s; local steps run without slot affinity", error)
+                self._not_llama.add(url)
+                return None
+            except LlamaServerUnavailable as error:
+                logger.warning("no slot for this call: %s", error)
+                return None
         key = (url, total, reserve)
         if key not in self._pools:
             self._pools[key] = SlotPool(total, reserve_reflection=reserve)
