@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import BeforeValidator, Field, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from fusion_graph import prompts
@@ -49,6 +49,39 @@ def _env(name: str, default: Any) -> Callable[[], Any]:
     return factory
 
 
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None  # not a number: pydantic's own type error says so
+
+
+def between(low: float, high: float | None) -> tuple[Any, ...]:
+    """Range metadata: a message naming the whole valid range, and bounds Studio shows."""
+    span = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+
+    def check(value: Any) -> Any:
+        number = _number(value)
+        if number is not None and (number < low or (high is not None and number > high)):
+            raise ValueError(f"must be {span}, got {value!r}")
+        return value
+
+    bounds = Field(ge=low, le=high) if high is not None else Field(ge=low)
+    return (bounds, BeforeValidator(check))
+
+
+def positive() -> tuple[Any, ...]:
+    """Metadata for a strictly positive number (seconds)."""
+
+    def check(value: Any) -> Any:
+        number = _number(value)
+        if number is not None and number <= 0:
+            raise ValueError(f"must be greater than 0, got {value!r}")
+        return value
+
+    return (Field(gt=0), BeforeValidator(check))
+
+
 #: Built-in defaults (before environment overrides), for docs and tests.
 DEFAULTS: dict[str, Any] = {}
 
@@ -68,38 +101,38 @@ class FusionContext:
         "Routing mode: 'cloud' runs every step on the cloud model, 'local' every step on "
         "llama-server, 'fusion' routes each step by its complexity score.",
     )
-    cloud_share: Annotated[int, Field(ge=0, le=100)] = _f(
+    cloud_share: Annotated[int, *between(0, 100)] = _f(
         "cloud_share",
         DEFAULT_CLOUD_SHARE,
         "The dial, 0-100. A continuation step goes cloud when its score >= 100 - cloud_share "
         "(with hysteresis). 0 never uses cloud; any value > 0 runs the plan step on cloud.",
     )
-    hysteresis: Annotated[int, Field(ge=0, le=50)] = _f(
+    hysteresis: Annotated[int, *between(0, 50)] = _f(
         "hysteresis",
         DEFAULT_HYSTERESIS,
         "Dead band (points) around the threshold so local runs last long enough for "
         "llama-server's prefix KV cache to pay off.",
     )
-    max_steps: Annotated[int, Field(ge=1, le=1000)] = _f(
+    max_steps: Annotated[int, *between(1, 1000)] = _f(
         "max_steps", 25, "Inferences allowed per turn (plan, steps and repairs) before it ends."
     )
-    conversation_max_tokens: Annotated[int, Field(ge=256)] = _f(
+    conversation_max_tokens: Annotated[int, *between(256, None)] = _f(
         "conversation_max_tokens",
         32768,
         "Context budget of a conversation; prompt tokens / this is the context-pressure term.",
     )
-    max_tool_calls_per_step: Annotated[int, Field(ge=1, le=128)] = _f(
+    max_tool_calls_per_step: Annotated[int, *between(1, 128)] = _f(
         "max_tool_calls_per_step",
         8,
         "Longest tool batch executed per step; extra calls are not run (a transient notice).",
     )
-    loop_repeat_limit: Annotated[int, Field(ge=2, le=100)] = _f(
+    loop_repeat_limit: Annotated[int, *between(2, 100)] = _f(
         "loop_repeat_limit",
         3,
         "The same tool call (name + arguments) this many times in one turn trips the loop "
         "detector (a transient notice plus a corrective message).",
     )
-    max_repair_attempts: Annotated[int, Field(ge=0, le=10)] = _f(
+    max_repair_attempts: Annotated[int, *between(0, 10)] = _f(
         "max_repair_attempts",
         2,
         "Retries of a malformed tool call, on the leg that made it, before the turn ends.",
@@ -125,7 +158,7 @@ class FusionContext:
         "http://127.0.0.1:8080/v1",
         "OpenAI-compatible base URL of llama-server (ends in /v1).",
     )
-    local_slots: Annotated[int, Field(ge=0, le=1024)] = _f(
+    local_slots: Annotated[int, *between(0, 1024)] = _f(
         "local_slots",
         0,
         "llama-server slots (its -np). 0 asks the server (GET /props -> total_slots).",
@@ -136,16 +169,16 @@ class FusionContext:
         "Keep llama-server's last slot for memory sub-runners so they never evict a "
         "conversation's cached prefix.",
     )
-    provider_allowed_failures: Annotated[int, Field(ge=0, le=100)] = _f(
+    provider_allowed_failures: Annotated[int, *between(0, 100)] = _f(
         "provider_allowed_failures",
         2,
         "Health failures (timeouts, connection errors, 5xx) a provider may have within the "
         "window; one more puts it in cooldown. A 429 cools it down at once.",
     )
-    provider_failure_window_s: Annotated[float, Field(gt=0)] = _f(
+    provider_failure_window_s: Annotated[float, *positive()] = _f(
         "provider_failure_window_s", 60.0, "Seconds over which provider failures are counted."
     )
-    provider_cooldown_s: Annotated[float, Field(ge=0)] = _f(
+    provider_cooldown_s: Annotated[float, *between(0, None)] = _f(
         "provider_cooldown_s",
         30.0,
         "Seconds a failing provider sits out before a probe; a Retry-After header replaces it.",
@@ -179,23 +212,23 @@ class FusionContext:
         "(checkpointed, resumable). 'background': detached tasks; ainvoke returns at once, "
         "jobs are lost if the process exits first.",
     )
-    memory_every_k_steps: Annotated[int, Field(ge=0, le=1000)] = _f(
+    memory_every_k_steps: Annotated[int, *between(0, 1000)] = _f(
         "memory_every_k_steps",
         0,
         "Also run memory jobs every K steps of a long turn, beside the next step (0: only after the reply).",
     )
-    memory_recall_limit: Annotated[int, Field(ge=0, le=50)] = _f(
+    memory_recall_limit: Annotated[int, *between(0, 50)] = _f(
         "memory_recall_limit",
         5,
         "Stored memories given to the plan step of a turn (most relevant, then newest).",
     )
-    memory_timeout_s: Annotated[float, Field(gt=0)] = _f(
+    memory_timeout_s: Annotated[float, *positive()] = _f(
         "memory_timeout_s", 60.0, "Seconds a memory job may take before it is dropped."
     )
-    memory_max_tokens: Annotated[int, Field(ge=16, le=8192)] = _f(
+    memory_max_tokens: Annotated[int, *between(16, 8192)] = _f(
         "memory_max_tokens", 512, "Completion budget of one memory job answer."
     )
-    request_timeout: Annotated[float, Field(gt=0)] = _f(
+    request_timeout: Annotated[float, *positive()] = _f(
         "request_timeout", 120.0, "Seconds before a model request is abandoned."
     )
     system_prompt: str = _f(

@@ -77,7 +77,7 @@ def test_explicit_values_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("abc", "valid integer"), ("150", "less than or equal to 100"), ("-1", "greater than or equal to 0")],
+    [("abc", "valid integer"), ("150", "must be between 0 and 100"), ("-1", "must be between 0 and 100")],
 )
 def test_invalid_env_values_are_rejected(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
     monkeypatch.setenv("FUSION_CLOUD_SHARE", value)
@@ -90,16 +90,16 @@ def test_invalid_env_values_are_rejected(monkeypatch: pytest.MonkeyPatch, value:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("cloud_share", 150, "less than or equal to 100"),
-        ("cloud_share", -1, "greater than or equal to 0"),
+        ("cloud_share", 150, "must be between 0 and 100, got 150"),
+        ("cloud_share", -1, "must be between 0 and 100, got -1"),
         ("mode", "x", "'cloud', 'local' or 'fusion'"),
-        ("max_steps", 0, "greater than or equal to 1"),
-        ("hysteresis", 51, "less than or equal to 50"),
-        ("conversation_max_tokens", 100, "greater than or equal to 256"),
-        ("loop_repeat_limit", 1, "greater than or equal to 2"),
-        ("max_tool_calls_per_step", 0, "greater than or equal to 1"),
-        ("max_repair_attempts", 11, "less than or equal to 10"),
-        ("request_timeout", 0, "greater than 0"),
+        ("max_steps", 0, "must be between 1 and 1000"),
+        ("hysteresis", 51, "must be between 0 and 50"),
+        ("conversation_max_tokens", 100, "must be at least 256"),
+        ("loop_repeat_limit", 1, "must be between 2 and 100"),
+        ("max_tool_calls_per_step", 0, "must be between 1 and 128"),
+        ("max_repair_attempts", 11, "must be between 0 and 10"),
+        ("request_timeout", 0, "must be greater than 0"),
         ("cloud_model", "", "at least 1 character"),
     ],
 )
