@@ -1,12 +1,15 @@
 """The fusion agent graph: plan on cloud, route each step by score, validate every batch.
 
-START -> plan -> tools -> route -> local | cloud -> tools -> ... -> END
-route -> repair (same leg) | step_limit | give_up
+Diagram::
+
+    START -> plan -> tools -> route -> local | cloud -> tools -> ... -> reply
+                              route -> repair (same leg) | step_limit | give_up
+    reply -> memory (side branch, on the sub_runners leg) -> END
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
 from langchain_core.language_models import BaseChatModel
@@ -42,7 +45,10 @@ def after_model(state: State, runtime: Runtime[FusionContext]) -> Literal["tools
     return "memory" if memory_on(runtime) else "__end__"
 
 
-def make_router(count_tokens: TokenCounter):  # type: ignore[no-untyped-def]
+Router = Callable[[State, Runtime[FusionContext]], Awaitable[str | list[str]]]
+
+
+def make_router(count_tokens: TokenCounter) -> Router:
     """The routing edge after a tool batch: limits and repairs first, then the score."""
 
     async def route(state: State, runtime: Runtime[FusionContext]) -> str | list[str]:
