@@ -1,0 +1,63 @@
+"""Real exception instances from the openai SDK, httpx and langchain-core, for error handling tests."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+URL = "http://127.0.0.1:9/v1/chat/completions"
+EPOCH = 1_700_000_000.0
+
+
+#: The HTTP library the openai SDK raises with (httpx2 for openai>=3); llama.py uses plain httpx.
+try:
+    sdk_httpx: Any = importlib.import_module("httpx2")
+except ImportError:  # pragma: no cover - openai<3
+    sdk_httpx = httpx
+
+
+def request() -> Any:
+    return sdk_httpx.Request("POST", URL)
+
+
+def response(status: int, headers: dict[str, str] | None = None) -> Any:
+    return sdk_httpx.Response(status, request=request(), headers=headers or {})
+
+
+def plain_request() -> httpx.Request:
+    return httpx.Request("POST", URL)
+
+
+def plain_response(status: int) -> httpx.Response:
+    return httpx.Response(status, request=plain_request())
+
+
+def rate_limited(headers: dict[str, str] | None = None) -> openai.RateLimitError:
+    return openai.RateLimitError("slow down", response=response(429, headers), body=None)
+
+
+def bad_request() -> openai.BadRequestError:
+    return openai.BadRequestError("context too long", response=response(400), body=None)
+
+
+def refused() -> httpx.ConnectError:
+    return httpx.ConnectError("connection refused", request=plain_request())
+
+
+def lc_error(name: str) -> BaseException:
+    """A provider-neutral langchain-core model error (skipped on versions without it)."""
+    exceptions = importlib.import_module("langchain_core.exceptions")
+    if not hasattr(exceptions, name):
+        pytest.skip(f"langchain-core has no {name}")
+    error: BaseException = getattr(exceptions, name)("provider said no")
+    return error
+
+
+def caused(error: BaseException) -> BaseException:
+    wrapper = RuntimeError("wrapped")
+    wrapper.__cause__ = error
+    return wrapper
