@@ -8,25 +8,12 @@ from typing import Any
 
 import pytest
 
-from bench.kv_reuse import (
-    PlannedStep,
-    StepRecord,
-    TraceError,
-    Trajectory,
-    assistant_positions,
-    common_prefix_len,
-    evaluate_targets,
-    format_table,
-    new_token_counts,
-    parse_threads,
-    parse_trace_lines,
-    per_slot_ctx,
-    plan_thread,
-    route_trajectory,
-    select_quick,
-    summarize,
-    summarize_with_files,
-)
+from bench.kv_plan import PlannedStep, common_prefix_len, new_token_counts, plan_thread, route_trajectory
+from bench.kv_report import format_table
+from bench.kv_results import StepRecord, evaluate_targets, summarize, summarize_with_files
+from bench.kv_reuse import parse_threads
+from bench.kv_server import per_slot_ctx
+from bench.traces import TraceError, Trajectory, assistant_positions, parse_trace_lines, select_quick
 from fusion_graph.context import DEFAULTS
 
 

@@ -1,0 +1,116 @@
+"""Agent traces as replayable threads: each JSONL record is one conversation, replayed as one thread."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACES = REPO_ROOT.parent / "shared" / "data" / "traces"
+
+#: ``--quick``: this many trajectories from each SWE-agent file, ``QUICK_OTHER`` from each other file.
+QUICK_SWE = 2
+QUICK_OTHER = 3
+
+
+class TraceError(ValueError):
+    """A trace file is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One trace record: one conversation, replayed as one thread."""
+
+    file: str
+    line: int
+    trace_id: str
+    messages: tuple[dict[str, Any], ...]
+
+    @property
+    def thread_id(self) -> str:
+        """Unique per record (trace ids repeat across records in the SWE-agent file)."""
+        return f"{self.file}:{self.line}:{self.trace_id}"
+
+    @property
+    def is_swe(self) -> bool:
+        """Whether it comes from a SWE-agent trace file (where the targets are judged)."""
+        return is_swe_file(self.file)
+
+
+def is_swe_file(name: str) -> bool:
+    """SWE-agent trace files are the ones named ``swe*``."""
+    return name.lower().startswith("swe")
+
+
+def parse_trace_lines(lines: Iterable[str], *, file: str) -> list[Trajectory]:
+    """Parse JSONL trace records ``{"id", "messages": [OpenAI chat messages], ...}``.
+
+    Blank lines are skipped.
+
+    Raises:
+        TraceError: A line is not JSON, or lacks a ``messages`` list of role-tagged dicts.
+    """
+    trajectories = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise TraceError(f"{file}:{number}: not JSON ({error})") from error
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise TraceError(f"{file}:{number}: expected a 'messages' list of {{'role': ...}} objects")
+        trace_id = str(record.get("id") or f"line{number}")
+        trajectories.append(Trajectory(file, number, trace_id, tuple(messages)))
+    return trajectories
+
+
+def trace_files(paths: Sequence[Path]) -> list[Path]:
+    """Expand directories to their ``*.jsonl`` files (sorted); files are taken as given.
+
+    Raises:
+        TraceError: A path does not exist, or no trace file was found.
+    """
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found.extend(sorted(path.glob("*.jsonl")))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise TraceError(f"trace path not found: {path}")
+    if not found:
+        raise TraceError(f"no *.jsonl trace files in {', '.join(map(str, paths))}")
+    return found
+
+
+def load_traces(paths: Sequence[Path]) -> list[Trajectory]:
+    """Every trajectory of every trace file under ``paths``."""
+    trajectories = []
+    for path in trace_files(paths):
+        with path.open(encoding="utf-8") as handle:
+            trajectories.extend(parse_trace_lines(handle, file=path.stem))
+    return trajectories
+
+
+def select_quick(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """The ``--quick`` subset: the first ``QUICK_SWE``/``QUICK_OTHER`` trajectories of each file."""
+    taken: dict[str, int] = {}
+    chosen = []
+    for trajectory in trajectories:
+        limit = QUICK_SWE if trajectory.is_swe else QUICK_OTHER
+        if taken.get(trajectory.file, 0) < limit:
+            taken[trajectory.file] = taken.get(trajectory.file, 0) + 1
+            chosen.append(trajectory)
+    return chosen
+
+
+def assistant_positions(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Indices of the assistant messages: one agent step each."""
+    return [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
