@@ -1,4 +1,4 @@
-"""Scripted chat models for unit tests (no network)."""
+"""Scripted chat models and graph inputs for unit tests (no network)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from typing import Any
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.outputs import ChatResult
 from pydantic import Field
+
+from fusion_graph.state import InputState
 
 
 class ScriptedModel(GenericFakeChatModel):
@@ -23,7 +25,7 @@ class ScriptedModel(GenericFakeChatModel):
     prompts: list[list[BaseMessage]] = Field(default_factory=list)
     call_kwargs: list[dict[str, Any]] = Field(default_factory=list)
 
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> BaseChatModel:  # type: ignore[override]
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> BaseChatModel:
         """Tools are accepted and ignored: the script decides the calls."""
         return self
 
@@ -53,3 +55,22 @@ def call(name: str, args: dict[str, Any], call_id: str) -> dict[str, Any]:
 def ai_calls(*calls: dict[str, Any], content: str = "") -> AIMessage:
     """An answer carrying the given tool calls."""
     return AIMessage(content=content, tool_calls=list(calls))
+
+
+def user_input(text: str) -> InputState:
+    """Graph input of one user message (what ``("user", text)`` would become)."""
+    return {"messages": [HumanMessage(text)]}
+
+
+def check_two_turns(out: dict[str, Any]) -> None:
+    """A two-turn thread: plan and one local step per turn, turn index 0 then 1."""
+    assert [(r["turn"], r["step"], r["kind"]) for r in out["route_log"]] == [
+        (0, 0, "plan"),
+        (0, 1, "step"),
+        (1, 0, "plan"),
+        (1, 1, "step"),
+    ]
+    assert out["turn"] == 1
+    assert [m.content for m in out["messages"] if isinstance(m, AIMessage)][-1] == "second answer"
+    # The same call in the previous turn does not count towards this turn's loop detector.
+    assert all(r["breakdown"]["transient_notice"] == 0 for r in out["route_log"])

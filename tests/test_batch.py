@@ -166,20 +166,21 @@ def test_loop_detector_counts_repeats_within_one_batch() -> None:
 
 
 def test_loop_detector_ignores_other_arguments_and_earlier_turns() -> None:
+    now = ai_calls(call("echo", {"text": "same"}, "now"))
     history: list[BaseMessage] = [
         HumanMessage("first turn"),
         *earlier_turn("same", "same"),
         AIMessage("done"),
         HumanMessage("second turn"),
         *earlier_turn("other"),
-        ai_calls(call("echo", {"text": "same"}, "now")),
+        now,
     ]
     earlier = list(turn_messages(history))[:-1]
-    result = plan(history[-1], earlier=earlier, loop_repeat_limit=2)
+    result = plan(now, earlier=earlier, loop_repeat_limit=2)
     assert [c["id"] for c in result.run] == ["now"]
     assert not result.loop_fired
     # The same history counted as one turn would trip it.
-    assert plan(history[-1], earlier=history[:-1], loop_repeat_limit=2).loop_fired
+    assert plan(now, earlier=history[:-1], loop_repeat_limit=2).loop_fired
 
 
 def test_call_key_is_canonical() -> None:

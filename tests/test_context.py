@@ -7,6 +7,7 @@ import os
 import re
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -15,7 +16,7 @@ from fusion_graph import prompts
 from fusion_graph.context import DEFAULTS, ENV_PREFIX, FusionContext, context_fields, ensure_context
 from fusion_graph.graph import build_graph
 from tests.conftest import NetworkBlockedError, is_loopback
-from tests.fakes import scripted
+from tests.fakes import scripted, user_input
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 FIELD_NAMES = [f.name for f in dataclasses.fields(FusionContext)]
@@ -103,7 +104,7 @@ def test_invalid_env_values_are_rejected(monkeypatch: pytest.MonkeyPatch, value:
         ("cloud_model", "", "at least 1 character"),
     ],
 )
-def test_invalid_values_name_field_and_bound(field: str, value: object, message: str) -> None:
+def test_invalid_values_name_field_and_bound(field: str, value: Any, message: str) -> None:
     with pytest.raises(ValidationError) as info:
         FusionContext(**{field: value})
     text = str(info.value)
@@ -130,7 +131,8 @@ async def test_graph_run_with_an_invalid_context_raises() -> None:
     model = scripted("any", ["never"])
     graph = build_graph(cloud_model=model, local_model=model, tools=[])
     with pytest.raises(ValidationError) as info:
-        await graph.ainvoke({"messages": [("user", "hi")]}, context={"cloud_share": 150})
+        # A raw dict, as the LangGraph server passes it: the graph must validate it at run time.
+        await graph.ainvoke(user_input("hi"), context={"cloud_share": 150})  # type: ignore[call-overload]
     assert "cloud_share" in str(info.value)
     assert model.prompts == []
 

@@ -281,12 +281,8 @@ async def test_costs_follow_the_provider_that_answered(
     for name in ("OPENAI_BASE_URL", "OPENAI_API_BASE"):
         monkeypatch.delenv(name, raising=False)
     # OpenAI's base URL (the catalogue prices a known model there; an unknown URL stays unpriced).
-    priced_cloud = ChatOpenAI(
-        model="gpt-4o-mini",
-        api_key="x",
-        max_retries=0,
-        http_async_client=httpx.AsyncClient(transport=ToFake(cloud), timeout=10),
-    )
+    http_client = httpx.AsyncClient(transport=ToFake(cloud), timeout=10)
+    priced_cloud = ChatOpenAI(model="gpt-4o-mini", api_key="x", max_retries=0, http_async_client=http_client)
     cloud.script(
         replies(calls("plan", prompt_tokens=2000, cached_tokens=500), calls("rescue", prompt_tokens=3000))
     )
@@ -301,7 +297,7 @@ async def test_costs_follow_the_provider_that_answered(
         priced_cloud, local_model(local), saver, local_price_per_mtok=(1.0, 2.0), override_provider=CLOUD_ID
     )
     out = await rig.turn()
-    await priced_cloud.http_async_client.aclose()  # type: ignore[union-attr]
+    await http_client.aclose()
 
     assert (await rig.chain()).override == CLOUD_ID
     log = out["route_log"]

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext
 from fusion_graph.graph import build_graph
+from fusion_graph.routing import Leg, Mode
+from fusion_graph.state import State
 from fusion_graph.turn import continuation_route
-from tests.fakes import ScriptedModel, ai_calls, call, scripted
+from tests.fakes import ScriptedModel, ai_calls, call, check_two_turns, scripted, user_input
 
-USER = {"messages": [("user", "please do the task")]}
+TASK = "please do the task"
 BRIEF = "Be brief."
 
 
@@ -41,7 +44,7 @@ def system_text(prompt: Sequence[BaseMessage]) -> str:
     return str(prompt[0].content)
 
 
-def state_before_last_inference(out: dict[str, Any], *, step: int, leg: str) -> dict[str, Any]:
+def state_before_last_inference(out: dict[str, Any], *, step: int, leg: Leg) -> State:
     """The state the routing edge saw before the final answer (for checking a premise)."""
     return {"messages": out["messages"][:-1], "step": step, "leg": leg, "notice": False}
 
@@ -53,7 +56,7 @@ async def test_plan_on_cloud_then_mechanical_steps_locally() -> None:
     cloud = scripted("cloudfake", [ai_calls(call("echo", {"text": "plan-output"}, "c1"), content="1. echo")])
     local = scripted("localfake", [ai_calls(call("echo", {"text": "step-output"}, "l1")), "all done"])
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()])
-    out = await graph.ainvoke(USER)
+    out = await graph.ainvoke(user_input(TASK))
 
     assert legs(out) == [("plan", "cloud"), ("step", "local"), ("step", "local")]
     assert [(r["turn"], r["step"]) for r in out["route_log"]] == [(0, 0), (0, 1), (0, 2)]
@@ -76,7 +79,7 @@ async def test_plan_prompt_carries_the_plan_instructions_and_a_stable_prefix() -
     cloud = scripted("cloudfake", [ai_calls(call("echo", {"text": "a"}, "c1"))])
     local = scripted("localfake", [ai_calls(call("echo", {"text": "b"}, "l1")), "done"])
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()])
-    await graph.ainvoke(USER)
+    await graph.ainvoke(user_input(TASK))
 
     plan_prompt = cloud.prompts[0]
     assert system_text(plan_prompt) == prompts.SYSTEM_PROMPT
@@ -91,7 +94,7 @@ async def test_plan_prompt_carries_the_plan_instructions_and_a_stable_prefix() -
 async def test_the_context_system_prompt_is_sent(system_prompt: str, types: list[str]) -> None:
     cloud = scripted("cloudfake", ["hello"])
     graph = build_graph(cloud_model=cloud, local_model=scripted("localfake", []), tools=[])
-    await graph.ainvoke(USER, context={"system_prompt": system_prompt})
+    await graph.ainvoke(user_input(TASK), context=FusionContext(system_prompt=system_prompt))
     assert [m.type for m in cloud.prompts[0]] == types
     if system_prompt:
         assert system_text(cloud.prompts[0]) == system_prompt
@@ -106,15 +109,13 @@ async def test_malformed_call_from_local_is_repaired_locally_even_when_score_say
         "localfake",
         [ai_calls(call("echo", {"text": "x" * 4000}, "l1"), call("nope", {}, "l2")), "repaired"],
     )
-    context = {"cloud_share": 60, "conversation_max_tokens": 256, "system_prompt": BRIEF}
+    context = FusionContext(cloud_share=60, conversation_max_tokens=256, system_prompt=BRIEF)
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()])
-    out = await graph.ainvoke(USER, context=context)
+    out = await graph.ainvoke(user_input(TASK), context=context)
 
     assert legs(out) == [("plan", "cloud"), ("step", "local"), ("repair", "local")]
     # Premise: scored normally, this step would have escalated to cloud.
-    premise, _ = continuation_route(
-        state_before_last_inference(out, step=1, leg="local"), FusionContext(**context)
-    )
+    premise, _ = continuation_route(state_before_last_inference(out, step=1, leg="local"), context)
     assert premise.leg == "cloud"
     repair = out["route_log"][2]
     assert (repair["score"], repair["threshold"], repair["breakdown"]) == (None, None, None)
@@ -127,7 +128,7 @@ async def test_malformed_call_from_cloud_is_repaired_on_cloud_even_when_score_sa
     cloud = scripted("cloudfake", [ai_calls(call("nope", {}, "c1")), "repaired"])
     local = scripted("localfake", [])
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()])
-    out = await graph.ainvoke(USER, context={"system_prompt": BRIEF})
+    out = await graph.ainvoke(user_input(TASK), context=FusionContext(system_prompt=BRIEF))
 
     assert legs(out) == [("plan", "cloud"), ("repair", "cloud")]
     premise, _ = continuation_route(state_before_last_inference(out, step=0, leg="cloud"), FusionContext())
@@ -142,12 +143,13 @@ async def test_repair_exhaustion_ends_the_turn_with_a_message(attempts: int) -> 
     answers = [ai_calls(call("nope", {}, f"c{i}")) for i in range(attempts + 1)]
     cloud = scripted("cloudfake", [*answers, "never reached"])
     graph = build_graph(cloud_model=cloud, local_model=scripted("localfake", []), tools=[make_echo()])
-    out = await graph.ainvoke(USER, context={"max_repair_attempts": attempts})
+    out = await graph.ainvoke(user_input(TASK), context=FusionContext(max_repair_attempts=attempts))
 
     assert [r["kind"] for r in out["route_log"]] == ["plan"] + ["repair"] * attempts
     assert len(cloud.prompts) == attempts + 1
     final = out["messages"][-1]
     assert isinstance(final, AIMessage) and not final.tool_calls
+    assert isinstance(final.content, str)
     assert final.content.startswith(f"I could not produce a valid tool call after {attempts} repair attempts")
     assert "Unknown tool 'nope'" in final.content
     assert out["repair_error"] is None
@@ -164,7 +166,7 @@ async def test_repair_attempts_count_consecutive_failures_only() -> None:
         ],
     )
     graph = build_graph(cloud_model=model, local_model=model, tools=[make_echo()])
-    out = await graph.ainvoke(USER, context={"max_repair_attempts": 1})
+    out = await graph.ainvoke(user_input(TASK), context=FusionContext(max_repair_attempts=1))
     assert [r["kind"] for r in out["route_log"]] == ["plan", "repair", "step", "repair"]
     assert out["messages"][-1].content == "done"
 
@@ -183,7 +185,7 @@ async def test_trimmed_batch_raises_the_notice_term_of_the_next_step_only() -> N
         ],
     )
     graph = build_graph(cloud_model=model, local_model=model, tools=[make_echo(seen)])
-    out = await graph.ainvoke(USER, context={"max_tool_calls_per_step": 1})
+    out = await graph.ainvoke(user_input(TASK), context=FusionContext(max_tool_calls_per_step=1))
 
     assert seen == ["a", "c"]
     trimmed = next(m for m in out["messages"] if isinstance(m, ToolMessage) and m.tool_call_id == "2")
@@ -204,10 +206,11 @@ async def test_loop_detector_raises_the_notice_term_and_corrects_the_model() -> 
         ],
     )
     graph = build_graph(cloud_model=model, local_model=model, tools=[make_echo(seen)])
-    out = await graph.ainvoke(USER, context={"loop_repeat_limit": 2})
+    out = await graph.ainvoke(user_input(TASK), context=FusionContext(loop_repeat_limit=2))
 
     assert seen == ["same"]
     correction = next(m for m in out["messages"] if isinstance(m, ToolMessage) and m.tool_call_id == "2")
+    assert isinstance(correction.content, str)
     assert correction.content.startswith("Loop detected: the call echo(")
     assert [r["breakdown"]["transient_notice"] for r in out["route_log"]] == [0.0, 0.0, 20.0]
     assert str(model.prompts[2][-1].content) == correction.content
@@ -220,7 +223,7 @@ async def test_loop_detector_raises_the_notice_term_and_corrects_the_model() -> 
 async def test_step_limit_ends_the_turn(max_steps: int) -> None:
     model = scripted("any", [ai_calls(call("echo", {"text": str(i)}, f"id{i}")) for i in range(10)])
     graph = build_graph(cloud_model=model, local_model=model, tools=[make_echo()])
-    out = await graph.ainvoke(USER, context={"max_steps": max_steps})
+    out = await graph.ainvoke(user_input(TASK), context=FusionContext(max_steps=max_steps))
 
     assert len(out["route_log"]) == max_steps
     assert len(model.prompts) == max_steps
@@ -231,7 +234,7 @@ async def test_step_limit_ends_the_turn(max_steps: int) -> None:
 @pytest.mark.parametrize(
     ("mode", "used", "unused"), [("cloud", "cloud", "local"), ("local", "local", "cloud")]
 )
-async def test_fixed_modes_route_every_step_to_one_model(mode: str, used: str, unused: str) -> None:
+async def test_fixed_modes_route_every_step_to_one_model(mode: Mode, used: str, unused: str) -> None:
     fakes = {
         used: scripted(
             used, [ai_calls(call("echo", {"text": "a"}, "1")), ai_calls(call("nope", {}, "2")), "ok"]
@@ -239,7 +242,7 @@ async def test_fixed_modes_route_every_step_to_one_model(mode: str, used: str, u
         unused: scripted(unused, []),
     }
     graph = build_graph(cloud_model=fakes["cloud"], local_model=fakes["local"], tools=[make_echo()])
-    out = await graph.ainvoke(USER, context={"mode": mode, "conversation_max_tokens": 256})
+    out = await graph.ainvoke(user_input(TASK), context=FusionContext(mode=mode, conversation_max_tokens=256))
 
     assert legs(out) == [("plan", used), ("step", used), ("repair", used)]
     assert len(fakes[used].prompts) == 3
@@ -250,7 +253,9 @@ async def test_cloud_share_0_never_touches_cloud() -> None:
     cloud = scripted("cloudfake", [])
     local = scripted("localfake", [ai_calls(call("echo", {"text": "y" * 4000}, "1")), "done"])
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()])
-    out = await graph.ainvoke(USER, context={"cloud_share": 0, "conversation_max_tokens": 256})
+    out = await graph.ainvoke(
+        user_input(TASK), context=FusionContext(cloud_share=0, conversation_max_tokens=256)
+    )
 
     assert legs(out) == [("plan", "local"), ("step", "local")]
     # At cloud_share=60 this score would escalate (from local: T + h = 40 + 10 = 50).
@@ -267,7 +272,12 @@ async def test_custom_stream_events_carry_leg_and_score_per_inference() -> None:
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()])
     events: list[dict[str, Any]] = []
     final: dict[str, Any] = {}
-    async for mode, chunk in graph.astream(USER, stream_mode=["custom", "values"]):
+    # With a list of modes, (v1) astream yields (mode, chunk) pairs; its signature says only Any.
+    stream = cast(
+        AsyncIterator[tuple[str, dict[str, Any]]],
+        graph.astream(user_input(TASK), stream_mode=["custom", "values"]),
+    )
+    async for mode, chunk in stream:
         if mode == "custom":
             events.append(chunk)
         else:
@@ -303,10 +313,10 @@ async def test_custom_stream_events_carry_leg_and_score_per_inference() -> None:
 async def test_token_usage_lands_in_the_route_record(
     usage: dict[str, Any] | None, expected: tuple[int | None, ...]
 ) -> None:
-    answer = AIMessage(content="done", usage_metadata=usage)  # type: ignore[arg-type]
+    answer = AIMessage(content="done", usage_metadata=usage)
     model = scripted("any", [answer])
     graph = build_graph(cloud_model=model, local_model=model, tools=[])
-    out = await graph.ainvoke(USER)
+    out = await graph.ainvoke(user_input(TASK))
     (record,) = out["route_log"]
     assert (record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]) == expected
     assert record["cost_usd"] is None
@@ -324,29 +334,16 @@ def two_turn_models() -> tuple[ScriptedModel, ScriptedModel]:
     return cloud, local
 
 
-def check_two_turns(out: dict[str, Any]) -> None:
-    assert [(r["turn"], r["step"], r["kind"]) for r in out["route_log"]] == [
-        (0, 0, "plan"),
-        (0, 1, "step"),
-        (1, 0, "plan"),
-        (1, 1, "step"),
-    ]
-    assert out["turn"] == 1
-    assert [m.content for m in out["messages"] if isinstance(m, AIMessage)][-1] == "second answer"
-    # The same call in the previous turn does not count towards this turn's loop detector.
-    assert all(r["breakdown"]["transient_notice"] == 0 for r in out["route_log"])
-
-
 async def test_route_log_accumulates_across_turns() -> None:
     cloud, local = two_turn_models()
     graph = build_graph(
         cloud_model=cloud, local_model=local, tools=[make_echo()], checkpointer=InMemorySaver()
     )
-    config = {"configurable": {"thread_id": "t"}}
-    context = {"loop_repeat_limit": 2}
-    first = await graph.ainvoke(USER, config, context=context)
+    config: RunnableConfig = {"configurable": {"thread_id": "t"}}
+    context = FusionContext(loop_repeat_limit=2)
+    first = await graph.ainvoke(user_input(TASK), config, context=context)
     assert [(r["turn"], r["step"]) for r in first["route_log"]] == [(0, 0), (0, 1)]
-    second = await graph.ainvoke({"messages": [("user", "again")]}, config, context=context)
+    second = await graph.ainvoke(user_input("again"), config, context=context)
     check_two_turns(second)
     # The second plan saw the whole first turn.
     assert any(m.content == "first answer" for m in cloud.prompts[1])
@@ -364,15 +361,15 @@ async def test_sqlite_checkpointer_resumes_a_thread_across_graph_instances(tmp_p
     from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
     db = str(tmp_path / "threads.sqlite")
-    config = {"configurable": {"thread_id": "persisted"}}
-    context = {"loop_repeat_limit": 2}
+    config: RunnableConfig = {"configurable": {"thread_id": "persisted"}}
+    context = FusionContext(loop_repeat_limit=2)
     cloud, local = two_turn_models()
     async with AsyncSqliteSaver.from_conn_string(db) as saver:
         first = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()], checkpointer=saver)
-        await first.ainvoke(USER, config, context=context)
+        await first.ainvoke(user_input(TASK), config, context=context)
     async with AsyncSqliteSaver.from_conn_string(db) as saver:
         second = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()], checkpointer=saver)
-        out = await second.ainvoke({"messages": [("user", "again")]}, config, context=context)
+        out = await second.ainvoke(user_input("again"), config, context=context)
         check_two_turns(out)
         other = await second.aget_state({"configurable": {"thread_id": "someone-else"}})
         assert other.values == {}

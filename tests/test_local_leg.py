@@ -11,16 +11,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from langchain_core.messages import AIMessageChunk
+from langchain_core.runnables import RunnableConfig
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import build_graph, make_workspace_tools
+from fusion_graph.context import FusionContext
 from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.testing import LlamaServer
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from tests.fakes import user_input
 from tests.scripted_llama import Recorder, Script, ScriptedLlama
 
 pytestmark = pytest.mark.llama
@@ -43,7 +47,7 @@ def local_model(server: LlamaServer, recorder: Recorder, script: Script) -> Scri
     return ScriptedLlama(
         model="tiny",
         base_url=server.openai_base_url,
-        api_key="none",  # type: ignore[arg-type]
+        api_key="none",
         max_tokens=4,
         temperature=0,
         http_async_client=recorder.client(),
@@ -55,7 +59,7 @@ def cloud_model(fake: FakeOpenAI, recorder: Recorder) -> ChatOpenAI:
     return ChatOpenAI(
         model="cloud-fake",
         base_url=fake.base_url,
-        api_key="none",  # type: ignore[arg-type]
+        api_key="none",
         http_async_client=recorder.client(),
     )
 
@@ -85,9 +89,9 @@ async def test_consecutive_local_steps_reuse_cache_and_cloud_step_does_not_cost_
         tools=make_workspace_tools(workspace),
         checkpointer=InMemorySaver(),
     )
-    config = {"configurable": {"thread_id": "thread-cache"}}
-    context = {"cloud_share": 30, "mode": "fusion"}
-    first = await graph.ainvoke({"messages": [("user", "Summarise a, b and c")]}, config, context=context)
+    config: RunnableConfig = {"configurable": {"thread_id": "thread-cache"}}
+    context = FusionContext(cloud_share=30, mode="fusion")
+    first = await graph.ainvoke(user_input("Summarise a, b and c"), config, context=context)
 
     assert [(r["kind"], r["leg"]) for r in first["route_log"]] == [
         ("plan", "cloud"),
@@ -105,7 +109,7 @@ async def test_consecutive_local_steps_reuse_cache_and_cloud_step_does_not_cost_
         assert current["processed_tokens"] < previous["prompt_tokens"]
 
     # Turn 2: the plan runs on cloud in between; the local cache is untouched.
-    second = await graph.ainvoke({"messages": [("user", "Now list the directory")]}, config, context=context)
+    second = await graph.ainvoke(user_input("Now list the directory"), config, context=context)
     turn2 = [r for r in second["route_log"] if r["turn"] == 1]
     assert [(r["kind"], r["leg"]) for r in turn2][:2] == [("plan", "cloud"), ("step", "local")]
     resumed = turn2[1]
@@ -133,16 +137,12 @@ async def test_two_threads_keep_separate_slots_and_caches(
         tools=make_workspace_tools(workspace),
         checkpointer=InMemorySaver(),
     )
-    context = {"mode": "local"}
-    a = {"configurable": {"thread_id": "alpha"}}
-    b = {"configurable": {"thread_id": "beta"}}
+    context = FusionContext(mode="local")
+    a: RunnableConfig = {"configurable": {"thread_id": "alpha"}}
+    b: RunnableConfig = {"configurable": {"thread_id": "beta"}}
     # alpha: plan -> tool; beta: plan -> tool (on another slot); then each continues.
-    await graph.ainvoke(
-        {"messages": [("user", "alpha task " * 30)]}, a, context=context, interrupt_after=["tools"]
-    )
-    await graph.ainvoke(
-        {"messages": [("user", "beta task " * 30)]}, b, context=context, interrupt_after=["tools"]
-    )
+    await graph.ainvoke(user_input("alpha task " * 30), a, context=context, interrupt_after=["tools"])
+    await graph.ainvoke(user_input("beta task " * 30), b, context=context, interrupt_after=["tools"])
     alpha = await graph.ainvoke(None, a, context=context, interrupt_after=["tools"])
     beta = await graph.ainvoke(None, b, context=context, interrupt_after=["tools"])
 
@@ -159,14 +159,15 @@ async def test_streamed_local_answer_keeps_usage_and_timings(own_llama_server: L
     model = ChatLlamaServer(
         model="tiny",
         base_url=own_llama_server.openai_base_url,
-        api_key="none",  # type: ignore[arg-type]
+        api_key="none",
         max_tokens=4,
         stream_usage=True,
     )
     bound = model.bind(extra_body={"id_slot": 0, "cache_prompt": True})
     prompt = [("system", "You are terse. " * 20), ("user", "Say something " * 10)]
     first = await bound.ainvoke(prompt)
-    chunks = [chunk async for chunk in bound.astream(prompt)]
+    # A chat model streams AIMessageChunk (which adds up), though Runnable types its output AIMessage.
+    chunks = cast(list[AIMessageChunk], [chunk async for chunk in bound.astream(prompt)])
     merged = chunks[0]
     for chunk in chunks[1:]:
         merged += chunk

@@ -9,19 +9,21 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.store.memory import InMemoryStore
 from langgraph.store.sqlite.aio import AsyncSqliteStore
 
 from fusion_graph import build_graph, memory
+from fusion_graph.context import FusionContext
 from fusion_graph.memory import MemoryJob
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
-from tests.fakes import ScriptedModel, ai_calls, call, scripted
+from tests.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 NS = memory.namespace("fusion", "anonymous")
 GOOD = json.dumps({"items": [{"kind": "fact", "text": "The user prefers tabs."}]})
-CONFIG = {"configurable": {"thread_id": "t1"}}
+CONFIG: RunnableConfig = {"configurable": {"thread_id": "t1"}}
 
 
 @tool
@@ -49,9 +51,7 @@ async def test_reply_is_streamed_before_any_memory_work_and_items_are_stored() -
         cloud_model=cloud, local_model=local, tools=TOOLS, checkpointer=InMemorySaver(), store=store
     )
     order: list[str] = []
-    async for update in graph.astream(
-        {"messages": [("user", "remember my style")]}, CONFIG, stream_mode="updates"
-    ):
+    async for update in graph.astream(user_input("remember my style"), CONFIG, stream_mode="updates"):
         order += list(update)
     assert order[-2:] == ["local", "memory"], order
     final = await graph.aget_state(CONFIG)
@@ -92,7 +92,7 @@ async def test_a_failing_job_leaves_the_turn_untouched(answers: list[Any], why: 
     cloud, local = one_turn(answers)
     store = InMemoryStore()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-    out = await graph.ainvoke({"messages": [("user", "go")]})
+    out = await graph.ainvoke(user_input("go"))
     assert out["messages"][-1].content == "all done"
     assert [r["kind"] for r in out["route_log"]][:3] == ["plan", "step", "memory"]
     last = out["route_log"][-1]
@@ -105,7 +105,7 @@ async def test_invalid_json_gets_one_repair_on_the_same_provider() -> None:
     cloud, local = one_turn(["all done", '{"items": [{"kind": "mood"', GOOD])
     store = InMemoryStore()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-    out = await graph.ainvoke({"messages": [("user", "go")]})
+    out = await graph.ainvoke(user_input("go"))
     records = [r for r in out["route_log"] if r["kind"] == "memory"]
     assert [r["extra"]["repair"] for r in records] == [False, True]
     assert {r["provider"] for r in records} == {"local:localfake"}
@@ -117,7 +117,7 @@ async def test_sub_runners_off_runs_nothing() -> None:
     cloud, local = one_turn(["all done", GOOD])
     store = InMemoryStore()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-    out = await graph.ainvoke({"messages": [("user", "go")]}, context={"sub_runners": "off"})
+    out = await graph.ainvoke(user_input("go"), context=FusionContext(sub_runners="off"))
     assert [r["kind"] for r in out["route_log"]] == ["plan", "step"]
     assert len(local.prompts) == 1
     assert await stored(store) == []
@@ -128,7 +128,7 @@ async def test_sub_runners_cloud_runs_the_job_on_cloud() -> None:
     local = scripted("localfake", ["all done"])
     store = InMemoryStore()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-    out = await graph.ainvoke({"messages": [("user", "go")]}, context={"sub_runners": "cloud"})
+    out = await graph.ainvoke(user_input("go"), context=FusionContext(sub_runners="cloud"))
     assert out["route_log"][-1]["kind"] == "memory" and out["route_log"][-1]["leg"] == "cloud"
     assert len(await stored(store)) == 1
 
@@ -141,7 +141,7 @@ async def test_next_turn_plan_prompt_includes_the_memories() -> None:
     graph = build_graph(
         cloud_model=cloud, local_model=local, tools=TOOLS, store=store, checkpointer=InMemorySaver()
     )
-    out = await graph.ainvoke({"messages": [("user", "what next?")]}, CONFIG)
+    out = await graph.ainvoke(user_input("what next?"), CONFIG)
     plan_prompt = cloud.prompts[0]
     recalled = plan_prompt[-1]
     assert isinstance(recalled, HumanMessage) and recalled.name == memory.MEMORY_MESSAGE_NAME
@@ -158,7 +158,7 @@ async def test_recall_limit_bounds_the_memories() -> None:
         await store.aput(NS, f"k{index}", {"kind": "fact", "text": f"fact number {index}"})
     cloud, local = one_turn(["done", json.dumps({"items": []})])
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-    await graph.ainvoke({"messages": [("user", "hi")]}, context={"memory_recall_limit": 3})
+    await graph.ainvoke(user_input("hi"), context=FusionContext(memory_recall_limit=3))
     recalled = cloud.prompts[0][-1].text
     assert recalled.count("\n- ") == 3
     assert "fact number 11" in recalled and "fact number 0" not in recalled  # newest first
@@ -180,7 +180,7 @@ async def test_background_mode_returns_the_reply_without_waiting() -> None:
     store = InMemoryStore()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
     out = await asyncio.wait_for(
-        graph.ainvoke({"messages": [("user", "go")]}, context={"memory_mode": "background"}), timeout=10
+        graph.ainvoke(user_input("go"), context=FusionContext(memory_mode="background")), timeout=10
     )
     assert out["messages"][-1].content == "all done"
     assert await stored(store) == []  # the job is still waiting
@@ -197,12 +197,12 @@ async def test_memories_persist_across_processes_with_a_persistent_store(tmp_pat
         await store.setup()
         cloud, local = one_turn(["done", GOOD])
         graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-        await graph.ainvoke({"messages": [("user", "I like tabs")]})
+        await graph.ainvoke(user_input("I like tabs"))
     # A new graph and a new store object on the same file, as a restarted process would have.
     async with AsyncSqliteStore.from_conn_string(path) as store:
         cloud, local = one_turn(["done", json.dumps({"items": []})])
         graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-        await graph.ainvoke({"messages": [("user", "format this file")]})
+        await graph.ainvoke(user_input("format this file"))
     assert "The user prefers tabs." in cloud.prompts[0][-1].text
 
 
@@ -214,8 +214,8 @@ async def test_every_k_steps_runs_memory_beside_the_next_step() -> None:
     )
     store = InMemoryStore()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
-    context = {"memory_every_k_steps": 2, "sub_runners": "cloud"}
-    out = await graph.ainvoke({"messages": [("user", "long task")]}, context=context)
+    context = FusionContext(memory_every_k_steps=2, sub_runners="cloud")
+    out = await graph.ainvoke(user_input("long task"), context=context)
     kinds = [(r["kind"], r["step"]) for r in out["route_log"]]
     # A mid-turn job beside step 2 (it saw the state after step 1), and one after the reply.
     assert sorted(kinds) == sorted(
@@ -236,13 +236,13 @@ async def test_local_memory_job_uses_the_reflection_slot_and_a_json_schema() -> 
         from fusion_graph.llama import ChatLlamaServer
 
         graph = build_graph(
-            cloud_model=ChatOpenAI(model="c", base_url=cloud_fake.base_url, api_key="x", max_retries=0),  # type: ignore[arg-type]
-            local_model=ChatLlamaServer(model="l", base_url=local_fake.base_url, api_key="x", max_retries=0),  # type: ignore[arg-type]
+            cloud_model=ChatOpenAI(model="c", base_url=cloud_fake.base_url, api_key="x", max_retries=0),
+            local_model=ChatLlamaServer(model="l", base_url=local_fake.base_url, api_key="x", max_retries=0),
             tools=TOOLS,
             store=InMemoryStore(),
             memory_jobs=[job],
         )
-        out = await graph.ainvoke({"messages": [("user", "go")]}, context={"local_slots": 4})
+        out = await graph.ainvoke(user_input("go"), context=FusionContext(local_slots=4))
     step_body, memory_body = local_fake.requests
     conversation_slot = out["route_log"][1]["slot"]
     assert step_body["id_slot"] == conversation_slot and conversation_slot != 3

@@ -6,15 +6,18 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from langchain_core.runnables import RunnableConfig
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.store.memory import InMemoryStore
 from pydantic import BaseModel, Field
 
 from fusion_graph import build_graph, make_workspace_tools, memory
+from fusion_graph.context import FusionContext
 from fusion_graph.memory import MemoryJob
 from fusion_graph.testing import LlamaServer
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from tests.fakes import user_input
 from tests.llama_fixtures import N_SLOTS
 from tests.scripted_llama import Recorder, Script, ScriptedLlama
 
@@ -42,7 +45,7 @@ async def test_memory_job_on_the_reserved_slot_leaves_the_conversation_cache_int
     local = ScriptedLlama(
         model="tiny",
         base_url=own_llama_server.openai_base_url,
-        api_key="none",  # type: ignore[arg-type]
+        api_key="none",
         max_tokens=4,
         temperature=0,
         max_retries=0,
@@ -51,7 +54,7 @@ async def test_memory_job_on_the_reserved_slot_leaves_the_conversation_cache_int
     )
     store = InMemoryStore()
     with FakeOpenAI([Reply(content="Plan", tool_calls=[("read_file", {"path": "a.txt"})])]) as cloud_fake:
-        cloud = ChatOpenAI(model="cloud-fake", base_url=cloud_fake.base_url, api_key="x", max_retries=0)  # type: ignore[arg-type]
+        cloud = ChatOpenAI(model="cloud-fake", base_url=cloud_fake.base_url, api_key="x", max_retries=0)
         graph = build_graph(
             cloud_model=cloud,
             local_model=local,
@@ -60,10 +63,10 @@ async def test_memory_job_on_the_reserved_slot_leaves_the_conversation_cache_int
             store=store,
             memory_jobs=[MemoryJob("tiny_memories", TinyMemories)],
         )
-        config = {"configurable": {"thread_id": "memory-thread"}}
-        context = {"memory_max_tokens": 256, "memory_recall_limit": 0}
-        first = await graph.ainvoke({"messages": [("user", "Read a and b")]}, config, context=context)
-        second = await graph.ainvoke({"messages": [("user", "Now list the files")]}, config, context=context)
+        config: RunnableConfig = {"configurable": {"thread_id": "memory-thread"}}
+        context = FusionContext(memory_max_tokens=256, memory_recall_limit=0)
+        first = await graph.ainvoke(user_input("Read a and b"), config, context=context)
+        second = await graph.ainvoke(user_input("Now list the files"), config, context=context)
 
     log = second["route_log"]
     turn1_local = [r for r in log if r["turn"] == 0 and r["kind"] == "step"]

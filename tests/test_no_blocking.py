@@ -14,7 +14,9 @@ import pytest
 from blockbuster import blockbuster_ctx
 
 from fusion_graph import build_graph
+from fusion_graph.context import FusionContext
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from tests.fakes import user_input
 
 
 async def test_default_models_and_tools_never_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,14 +28,14 @@ async def test_default_models_and_tools_never_block(tmp_path: Path, monkeypatch:
     )
     with FakeOpenAI([plan]) as cloud, FakeOpenAI([edit, Reply(content="done")]) as local:
         graph = build_graph()
-        context = {
-            "cloud_base_url": cloud.base_url,
-            "local_base_url": local.base_url,
-            "local_slots": 4,
-            "workspace_root": str(tmp_path),
-        }
+        context = FusionContext(
+            cloud_base_url=cloud.base_url,
+            local_base_url=local.base_url,
+            local_slots=4,
+            workspace_root=str(tmp_path),
+        )
         with blockbuster_ctx():
-            result = await graph.ainvoke({"messages": [("user", "edit a.txt")]}, context=context)
+            result = await graph.ainvoke(user_input("edit a.txt"), context=context)
     assert [(r["kind"], r["leg"]) for r in result["route_log"]] == [
         ("plan", "cloud"),
         ("step", "local"),
@@ -49,4 +51,4 @@ async def test_missing_cloud_key_names_the_variable(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     graph = build_graph()
     with pytest.raises(ValueError, match="OPENAI_API_KEY"):
-        await graph.ainvoke({"messages": [("user", "hi")]}, context={"cloud_share": 30})
+        await graph.ainvoke(user_input("hi"), context=FusionContext(cloud_share=30))

@@ -8,7 +8,7 @@ from langchain_core.tools import tool
 from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.replay import route_history
-from tests.fakes import ai_calls, call, scripted
+from tests.fakes import ai_calls, call, scripted, user_input
 
 
 @tool
@@ -23,7 +23,7 @@ async def test_replay_matches_the_graphs_route_log() -> None:
     local = scripted("localfake", [ai_calls(call("bulky", {"n": 150}, f"l{i}")) for i in range(5)])
     context = FusionContext(cloud_share=60, conversation_max_tokens=2048, max_steps=6)
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[bulky])
-    out = await graph.ainvoke({"messages": [("user", "work")]}, context=context)
+    out = await graph.ainvoke(user_input("work"), context=context)
     recorded = [(r["step"], r["leg"], r["score"], r["threshold"]) for r in out["route_log"]]
     assert [leg for _, leg, _, _ in recorded] == ["cloud", "local", "local", "local", "cloud"]
 

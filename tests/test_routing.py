@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ from fusion_graph import routing
 from fusion_graph.routing import (
     WEIGHTS,
     Leg,
+    Mode,
     StepScore,
     StepSignals,
     cloud_threshold,
@@ -21,7 +23,7 @@ from fusion_graph.routing import (
 
 def sig(**overrides: object) -> StepSignals:
     """Signals that score 0, with ``overrides`` applied."""
-    base: dict[str, object] = {
+    base: dict[str, Any] = {  # Any: some tests feed floats (9e9) to int fields on purpose
         "prompt_tokens": 0,
         "conversation_max_tokens": 1000,
         "step": 0,
@@ -31,7 +33,7 @@ def sig(**overrides: object) -> StepSignals:
         "stable_prefix_tokens": 100,
     }
     base.update(overrides)
-    return StepSignals(**base)  # type: ignore[arg-type]
+    return StepSignals(**base)
 
 
 def score_of(value: int) -> StepScore:
@@ -39,7 +41,7 @@ def score_of(value: int) -> StepScore:
     return StepScore(score=value, context_pressure=0, turn_depth=0, transient_notice=0, tail_growth=0)
 
 
-SATURATED = {
+SATURATED: dict[str, dict[str, object]] = {
     "context_pressure": {"prompt_tokens": 1000},
     "turn_depth": {"step": 10},
     "transient_notice": {"transient_notice": True},
@@ -211,14 +213,16 @@ def test_cloud_share_100_is_always_cloud() -> None:
 
 @pytest.mark.parametrize(("mode", "leg"), [("cloud", "cloud"), ("local", "local")])
 @pytest.mark.parametrize("cloud_share", [0, 30, 100])
-def test_fixed_modes_pin_every_step(mode: str, leg: Leg, cloud_share: int) -> None:
-    for step, current, value in [(0, None, 0), (1, "local", 100), (5, "cloud", 0), (9, "local", 0)]:
+def test_fixed_modes_pin_every_step(mode: Mode, leg: Leg, cloud_share: int) -> None:
+    runs: list[tuple[int, Leg | None, int]] = [
+        (0, None, 0),
+        (1, "local", 100),
+        (5, "cloud", 0),
+        (9, "local", 0),
+    ]
+    for step, current, value in runs:
         decision = decide_leg(
-            mode=mode,  # type: ignore[arg-type]
-            step=step,
-            current_leg=current,  # type: ignore[arg-type]
-            score=score_of(value),
-            cloud_share=cloud_share,
+            mode=mode, step=step, current_leg=current, score=score_of(value), cloud_share=cloud_share
         )
         assert decision.leg == leg
         assert decision.threshold is None

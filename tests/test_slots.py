@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import pytest
 from langchain_openai import ChatOpenAI
 
 from fusion_graph import build_graph
+from fusion_graph.context import FusionContext
 from fusion_graph.llama import ChatLlamaServer, server_root
 from fusion_graph.slots import SlotPool, slot_body
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
 from fusion_graph.testing.llama_server import free_port
+from tests.fakes import user_input
 
 
 def test_a_thread_keeps_its_slot_and_the_preferred_slot_is_stable_across_pools() -> None:
@@ -71,10 +75,15 @@ def test_server_root() -> None:
     assert server_root("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080"
 
 
-def fake_models(cloud: FakeOpenAI, local: FakeOpenAI) -> dict[str, ChatOpenAI]:
+class FakeModels(TypedDict):
+    cloud_model: ChatOpenAI
+    local_model: ChatLlamaServer
+
+
+def fake_models(cloud: FakeOpenAI, local: FakeOpenAI) -> FakeModels:
     return {
-        "cloud_model": ChatOpenAI(model="c", base_url=cloud.base_url, api_key="x", max_retries=0),  # type: ignore[arg-type]
-        "local_model": ChatLlamaServer(model="l", base_url=local.base_url, api_key="x", max_retries=0),  # type: ignore[arg-type]
+        "cloud_model": ChatOpenAI(model="c", base_url=cloud.base_url, api_key="x", max_retries=0),
+        "local_model": ChatLlamaServer(model="l", base_url=local.base_url, api_key="x", max_retries=0),
     }
 
 
@@ -82,7 +91,7 @@ async def test_a_local_server_that_is_not_llama_server_runs_without_slot_affinit
     with FakeOpenAI([Reply(content="plan")]) as cloud, FakeOpenAI([Reply(content="local answer")]) as local:
         graph = build_graph(**fake_models(cloud, local), tools=[])
         # local_slots=0 asks GET /props, which this server answers 404.
-        out = await graph.ainvoke({"messages": [("user", "hi")]}, context={"mode": "local"})
+        out = await graph.ainvoke(user_input("hi"), context=FusionContext(mode="local"))
     assert out["route_log"][0]["leg"] == "local" and out["route_log"][0]["slot"] is None
     assert "id_slot" not in local.requests[0] and "cache_prompt" not in local.requests[0]
 
@@ -91,11 +100,11 @@ async def test_an_unreachable_local_server_falls_over_instead_of_failing_slot_di
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with FakeOpenAI([Reply(content="cloud answer")]) as cloud:
         graph = build_graph(
-            cloud_model=ChatOpenAI(model="c", base_url=cloud.base_url, api_key="x", max_retries=0),  # type: ignore[arg-type]
-            local_model=ChatLlamaServer(model="l", base_url=dead, api_key="x", max_retries=0, timeout=2),  # type: ignore[arg-type]
+            cloud_model=ChatOpenAI(model="c", base_url=cloud.base_url, api_key="x", max_retries=0),
+            local_model=ChatLlamaServer(model="l", base_url=dead, api_key="x", max_retries=0, timeout=2),
             tools=[],
         )
-        out = await graph.ainvoke({"messages": [("user", "hi")]}, context={"mode": "local"})
+        out = await graph.ainvoke(user_input("hi"), context=FusionContext(mode="local"))
     record = out["route_log"][0]
     assert (record["routed_leg"], record["leg"]) == ("local", "cloud")
     assert record["attempts"][0]["kind"] == "connection"

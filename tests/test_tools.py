@@ -8,6 +8,7 @@ import pytest
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
 
+from fusion_graph.context import FusionContext
 from fusion_graph.graph import build_graph
 from fusion_graph.tools import (
     TOOLS,
@@ -16,7 +17,7 @@ from fusion_graph.tools import (
     make_workspace_tools,
     resolve_in_workspace,
 )
-from tests.fakes import ai_calls, call, scripted
+from tests.fakes import ai_calls, call, scripted, user_input
 
 
 @pytest.fixture
@@ -190,8 +191,7 @@ async def test_tools_without_a_root_use_the_runs_workspace_root(workspace: Path)
     )
     graph = build_graph(cloud_model=model, local_model=model)
     out = await graph.ainvoke(
-        {"messages": [("user", "look around")]},
-        context={"mode": "local", "workspace_root": str(workspace)},
+        user_input("look around"), context=FusionContext(mode="local", workspace_root=str(workspace))
     )
     results = {m.tool_call_id: m for m in out["messages"] if isinstance(m, ToolMessage)}
     assert results["l1"].content == "src/\nnotes.txt"
