@@ -284,8 +284,11 @@ class Nodes:
 
             async def detached() -> None:
                 records = await run_all(None)
-                for record in records:
-                    await store.aput(memory.jobs_namespace(ns), uuid.uuid4().hex, dict(record))
+                try:
+                    for record in records:
+                        await store.aput(memory.jobs_namespace(ns), uuid.uuid4().hex, dict(record))
+                except Exception:  # noqa: BLE001 - a detached job has no caller to raise to
+                    logger.exception("writing memory job records failed")
 
             memory.detach(detached())
             return {}
