@@ -287,7 +287,7 @@ class Nodes:
                 try:
                     for record in records:
                         await store.aput(memory.jobs_namespace(ns), uuid.uuid4().hex, dict(record))
-                except Exception:  # noqa: BLE001 - a detached job has no caller to raise to
+                except Exception:
                     logger.exception("writing memory job records failed")
 
             memory.detach(detached())
