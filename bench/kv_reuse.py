@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as error:
         print(f"error: {error}; install the dev extras (gguf, numpy) to generate the model", file=sys.stderr)
         return 2
-    except RuntimeError as error:  # LlamaServerUnavailable, LlamaServerError, a failed request
+    except RuntimeError as error:  # LlamaServerNotBuilt, LlamaServerError, a failed request
         print(f"error: {error}", file=sys.stderr)
         return 2
     targets = evaluate_targets(result["variants"])

@@ -28,7 +28,11 @@ from fusion_graph.slots import SlotPool
 logger = logging.getLogger(__name__)
 
 
-def _prices(context: FusionContext) -> tuple[dict[str, TokenPrices], TokenPrices]:
+Prices = tuple[dict[str, TokenPrices], TokenPrices]
+
+
+def _prices(context: FusionContext) -> Prices:
+    """The context's price tables: overrides by provider id or model, and the local leg's price."""
     overrides = {
         key: TokenPrices(input=value[0], output=value[1], cached_input=value[2])
         for key, value in context.price_overrides.items()
@@ -59,11 +63,11 @@ class ProviderResolver:
         self._closed = False
         self._not_llama: set[str] = set()
 
-    def _link_key(self, leg: Leg, context: FusionContext) -> tuple[Any, ...]:
-        overrides, local_price = _prices(context)
-        prices = (tuple(sorted(overrides.items())), local_price)
+    def _link_key(self, leg: Leg, context: FusionContext, prices: Prices) -> tuple[Any, ...]:
+        overrides, local_price = prices
+        priced = (tuple(sorted(overrides.items())), local_price)
         if self._injected[leg] is not None:
-            return (leg, "injected", prices)
+            return (leg, "injected", priced)
         if leg == "cloud":
             settings: tuple[Any, ...] = (
                 context.cloud_model,
@@ -72,10 +76,10 @@ class ProviderResolver:
             )
         else:
             settings = (context.local_model, context.local_base_url)
-        return (leg, settings, context.request_timeout, prices)
+        return (leg, settings, context.request_timeout, priced)
 
-    async def _link(self, leg: Leg, context: FusionContext) -> ChainLink:
-        key = self._link_key(leg, context)
+    async def _link(self, leg: Leg, context: FusionContext, prices: Prices) -> ChainLink:
+        key = self._link_key(leg, context, prices)
         link = self._links.get(key)
         if link is None:
             model = self._injected[leg]
@@ -84,7 +88,7 @@ class ProviderResolver:
                 build = build_cloud_model if leg == "cloud" else build_local_model
                 model = await asyncio.to_thread(build, context)
             provider = Provider(id=f"{leg}:{model_name(model)}", leg=leg, model=model)
-            overrides, local_price = _prices(context)
+            overrides, local_price = prices
             link = ChainLink.from_provider(
                 provider, pricing_for(provider, overrides=overrides, local=local_price)
             )
@@ -103,7 +107,8 @@ class ProviderResolver:
             cooldown_s=context.provider_cooldown_s,
         )
         async with self._lock:
-            links = [await self._link("cloud", context), await self._link("local", context)]
+            prices = _prices(context)
+            links = [await self._link(leg, context, prices) for leg in ("cloud", "local")]
             key = (tuple(id(link) for link in links), policy, context.override_provider)
             chain = self._chains.get(key)
             if chain is None:

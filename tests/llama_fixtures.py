@@ -8,30 +8,29 @@ green by silently not running them.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
 from fusion_graph.testing import (
     LlamaServer,
-    LlamaServerUnavailable,
+    LlamaServerNotBuilt,
     ensure_llama_server,
     vocab_path,
     write_tiny_model,
 )
+from tests.requires import service_missing
 
 #: ``-np`` of the session server; tests pin requests to slots below this.
 N_SLOTS = 4
 
 
-def _unavailable(reason: str) -> None:
+def _unavailable(reason: str) -> NoReturn:
     """Fails under CI (the binary is a build step there), skips elsewhere."""
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true but {reason}", pytrace=False)
-    pytest.skip(reason)
+    service_missing(reason)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +38,7 @@ def llama_server_bin() -> Path:
     """The llama-server binary, or skip/fail when there is none."""
     try:
         return ensure_llama_server()
-    except LlamaServerUnavailable as exc:
+    except LlamaServerNotBuilt as exc:
         _unavailable(str(exc))
         raise
 
@@ -49,7 +48,7 @@ def tiny_model(llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory)
     """A freshly generated tiny qwen2 model with the ChatML template."""
     try:
         vocab = vocab_path("qwen2")
-    except LlamaServerUnavailable as exc:
+    except LlamaServerNotBuilt as exc:
         _unavailable(str(exc))
         raise
     started = time.perf_counter()

@@ -35,6 +35,8 @@ from typing import NoReturn
 
 import pytest
 
+from tests.requires import service_missing
+
 #: Where Debian (and Ubuntu) put the server binaries, one folder per major version.
 BIN_GLOB = "/usr/lib/postgresql/*/bin"
 #: The OS user that runs the server when the tests run as root.
@@ -58,12 +60,7 @@ class PostgresUnavailableError(RuntimeError):
 
 def unavailable(reason: str) -> NoReturn:
     """Fail under ``CI=true`` (Postgres is a set-up step there), skip elsewhere."""
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(
-            f"CI=true but {reason}; install the Debian 'postgresql' package (scripts/setup.sh does)",
-            pytrace=False,
-        )
-    pytest.skip(reason)
+    service_missing(reason, fix="install the Debian 'postgresql' package (scripts/setup.sh does)")
 
 
 def _version_key(bin_dir: str) -> tuple[int, ...]:

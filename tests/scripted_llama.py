@@ -61,3 +61,16 @@ class ScriptedLlama(ChatLlamaServer):
             response_metadata=real.response_metadata,
         )
         return result
+
+
+def scripted_llama(base_url: str, script: Script, **settings: Any) -> ScriptedLlama:
+    """A ``ScriptedLlama`` with the settings the real-server tests share: a tiny, greedy answer."""
+    return ScriptedLlama(
+        model="tiny",
+        base_url=base_url,
+        api_key="none",
+        max_tokens=4,
+        temperature=0,
+        script=script,
+        **settings,
+    )

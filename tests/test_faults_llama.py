@@ -22,7 +22,7 @@ from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from fusion_graph import FusionContext, ProviderResolver, build_graph
 from fusion_graph.testing import LlamaServer, free_port
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
-from tests.scripted_llama import ScriptedLlama
+from tests.scripted_llama import Script, scripted_llama
 from tests.test_faults import (
     CLOUD_ID,
     Graph,
@@ -61,16 +61,8 @@ async def test_killed_llama_server_falls_over_to_cloud_and_recovers_after_restar
         await asyncio.to_thread(server.stop)
         return "stopped"
 
-    local = ScriptedLlama(
-        model="tiny",
-        base_url=server.openai_base_url,
-        api_key="none",
-        max_tokens=4,
-        temperature=0,
-        max_retries=0,
-        timeout=10,
-        script=[[("stop_local_server", {})], [("echo", {"text": "local again"})], []],
-    )
+    script: Script = [[("stop_local_server", {})], [("echo", {"text": "local again"})], []]
+    local = scripted_llama(server.openai_base_url, script, max_retries=0, timeout=10)
     cloud_script = [calls("plan 1"), calls("rescued"), Reply(content="turn one done"), calls("plan 2")]
     context: dict[str, Any] = {"provider_allowed_failures": 0, "provider_cooldown_s": 1.5, "local_slots": 2}
     config: RunnableConfig = {"configurable": {"thread_id": "killed"}}

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import format_datetime
-from typing import Any
 
 import httpx
 import openai
@@ -25,6 +24,7 @@ from tests.errors import (
     refused,
     request,
     response,
+    sdk_httpx,
 )
 
 
@@ -112,13 +112,12 @@ def test_classify(make: Callable[[], BaseException], expected: ErrorClass) -> No
     assert classify(make()) == expected
 
 
-def test_classify_httpx2_errors_when_installed() -> None:
-    httpx2: Any = pytest.importorskip("httpx2")
-    req = httpx2.Request("POST", URL)
-    assert classify(httpx2.ReadTimeout("slow", request=req)) == "timeout"
-    assert classify(httpx2.ConnectError("refused", request=req)) == "connection"
+def test_classify_errors_of_the_sdks_http_library() -> None:
+    req = sdk_httpx.Request("POST", URL)
+    assert classify(sdk_httpx.ReadTimeout("slow", request=req)) == "timeout"
+    assert classify(sdk_httpx.ConnectError("refused", request=req)) == "connection"
     limited = openai.RateLimitError(
-        "slow", response=httpx2.Response(429, request=req, headers={"retry-after": "3"}), body=None
+        "slow", response=sdk_httpx.Response(429, request=req, headers={"retry-after": "3"}), body=None
     )
     assert (classify(limited), retry_after(limited, EPOCH)) == ("rate_limited", 3.0)
 

@@ -20,7 +20,7 @@ import pytest
 from fusion_graph.testing import (
     LlamaServer,
     LlamaServerError,
-    LlamaServerUnavailable,
+    LlamaServerNotBuilt,
     ensure_llama_server,
     find_llama_server,
     read_tokenizer_metadata,
@@ -74,9 +74,9 @@ def test_find_falls_back_to_path(isolated_env: Path, monkeypatch: pytest.MonkeyP
 
 def test_ensure_without_binary_explains_how_to_build(isolated_env: Path) -> None:
     assert find_llama_server() is None
-    with pytest.raises(LlamaServerUnavailable, match=r"build_llama_server\.sh"):
+    with pytest.raises(LlamaServerNotBuilt, match=r"build_llama_server\.sh"):
         ensure_llama_server()
-    with pytest.raises(LlamaServerUnavailable, match=r"build_llama_server\.sh"):
+    with pytest.raises(LlamaServerNotBuilt, match=r"build_llama_server\.sh"):
         vocab_dir()
 
 

@@ -25,7 +25,7 @@ from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.testing import LlamaServer
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import user_input
-from tests.scripted_llama import Recorder, Script, ScriptedLlama
+from tests.scripted_llama import Recorder, Script, ScriptedLlama, scripted_llama
 
 pytestmark = pytest.mark.llama
 
@@ -44,15 +44,7 @@ def cloud() -> Iterator[FakeOpenAI]:
 
 
 def local_model(server: LlamaServer, recorder: Recorder, script: Script) -> ScriptedLlama:
-    return ScriptedLlama(
-        model="tiny",
-        base_url=server.openai_base_url,
-        api_key="none",
-        max_tokens=4,
-        temperature=0,
-        http_async_client=recorder.client(),
-        script=script,
-    )
+    return scripted_llama(server.openai_base_url, script, http_async_client=recorder.client())
 
 
 def cloud_model(fake: FakeOpenAI, recorder: Recorder) -> ChatOpenAI:

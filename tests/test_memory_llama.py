@@ -19,7 +19,7 @@ from fusion_graph.testing import LlamaServer
 from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import user_input
 from tests.llama_fixtures import N_SLOTS
-from tests.scripted_llama import Recorder, Script, ScriptedLlama
+from tests.scripted_llama import Recorder, Script, scripted_llama
 
 pytestmark = pytest.mark.llama
 
@@ -42,15 +42,8 @@ async def test_memory_job_on_the_reserved_slot_leaves_the_conversation_cache_int
     (tmp_path / "b.txt").write_text("beta\n" * 30)
     recorder = Recorder()
     script: Script = [[("read_file", {"path": "b.txt"})], [], [("list_dir", {"path": "."})], []]
-    local = ScriptedLlama(
-        model="tiny",
-        base_url=own_llama_server.openai_base_url,
-        api_key="none",
-        max_tokens=4,
-        temperature=0,
-        max_retries=0,
-        http_async_client=recorder.client(),
-        script=script,
+    local = scripted_llama(
+        own_llama_server.openai_base_url, script, max_retries=0, http_async_client=recorder.client()
     )
     store = InMemoryStore()
     with FakeOpenAI([Reply(content="Plan", tool_calls=[("read_file", {"path": "a.txt"})])]) as cloud_fake:

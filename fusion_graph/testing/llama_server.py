@@ -36,7 +36,7 @@ HOST = "127.0.0.1"
 _BUILD_SCRIPT = Path("scripts") / "build_llama_server.sh"
 
 
-class LlamaServerUnavailable(RuntimeError):
+class LlamaServerNotBuilt(RuntimeError):
     """No ``llama-server`` binary (or its vocab files) could be found or built."""
 
 
@@ -108,31 +108,29 @@ def ensure_llama_server(build: bool = False) -> Path:
             Off by default because the compile takes minutes.
 
     Raises:
-        LlamaServerUnavailable: No binary, and building was not requested or
+        LlamaServerNotBuilt: No binary, and building was not requested or
             is impossible (no script outside a source checkout) or failed.
     """
     found = find_llama_server()
     if found is not None:
         return found
     if not build:
-        raise LlamaServerUnavailable(f"llama-server not found; {_how_to_build()}")
+        raise LlamaServerNotBuilt(f"llama-server not found; {_how_to_build()}")
     script = build_script()
     if script is None:
-        raise LlamaServerUnavailable(
+        raise LlamaServerNotBuilt(
             f"llama-server not found and {_BUILD_SCRIPT} is not available outside a source checkout; "
             "set LLAMA_SERVER_BIN to an existing binary"
         )
     result = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True, check=False)
     if result.returncode != 0:
-        raise LlamaServerUnavailable(
-            f"{script} failed with exit code {result.returncode}; see its output above"
-        )
+        raise LlamaServerNotBuilt(f"{script} failed with exit code {result.returncode}; see its output above")
     printed = result.stdout.strip().splitlines()
     if not printed:
-        raise LlamaServerUnavailable(f"{script} succeeded but did not print its cache directory")
+        raise LlamaServerNotBuilt(f"{script} succeeded but did not print its cache directory")
     built = Path(printed[-1]) / "bin" / "llama-server"
     if not _executable(built):
-        raise LlamaServerUnavailable(f"{script} finished but {built} is not an executable")
+        raise LlamaServerNotBuilt(f"{script} finished but {built} is not an executable")
     return built
 
 
@@ -144,7 +142,7 @@ def vocab_dir() -> Path:
     have no models beside it).
 
     Raises:
-        LlamaServerUnavailable: Neither location has the files.
+        LlamaServerNotBuilt: Neither location has the files.
     """
     candidates = []
     binary = find_llama_server()
@@ -154,7 +152,7 @@ def vocab_dir() -> Path:
     for candidate in candidates:
         if any(candidate.glob("ggml-vocab-*.gguf")):
             return candidate
-    raise LlamaServerUnavailable(
+    raise LlamaServerNotBuilt(
         f"no llama.cpp vocab files in {' or '.join(map(str, candidates))}; {_how_to_build()}"
     )
 
@@ -163,7 +161,7 @@ def vocab_path(name: str = "qwen2") -> Path:
     """Path of ``ggml-vocab-<name>.gguf`` in :func:`vocab_dir`."""
     path = vocab_dir() / f"ggml-vocab-{name}.gguf"
     if not path.is_file():
-        raise LlamaServerUnavailable(f"{path} not found")
+        raise LlamaServerNotBuilt(f"{path} not found")
     return path
 
 
