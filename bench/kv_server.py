@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from fusion_graph.testing import LlamaServer
+    from fusion_graph_testing import LlamaServer
 
 #: ``-np`` of the benchmark server (explicit, so every slot has its own KV cache).
 N_SLOTS = 4
@@ -41,7 +41,7 @@ class ServerSetup:
 
     def server(self, *, n_slots: int, ctx_size: int, name: str) -> LlamaServer:
         """A configured (not yet started) server; the log lands in ``logs/name.log``."""
-        from fusion_graph.testing import LlamaServer
+        from fusion_graph_testing import LlamaServer
 
         return LlamaServer(
             self.model,
@@ -55,7 +55,7 @@ class ServerSetup:
 
 def prepare_server(workdir: Path) -> ServerSetup:
     """Write the tiny qwen2 model and the tool-capable template into ``workdir``."""
-    from fusion_graph.testing import chat_template, ensure_llama_server, vocab_path, write_tiny_model
+    from fusion_graph_testing import chat_template, ensure_llama_server, vocab_path, write_tiny_model
 
     ensure_llama_server()
     model = write_tiny_model(workdir / "tiny-qwen2.gguf", vocab_gguf=vocab_path("qwen2"), n_ctx=MODEL_N_CTX)

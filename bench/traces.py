@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fusion_graph.traces import TraceError, trace_files
+
+__all__ = ["TraceError", "Trajectory", "load_traces", "trace_files"]
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = REPO_ROOT.parent / "shared" / "data" / "traces"
 
 #: ``--quick``: this many trajectories from each SWE-agent file, ``QUICK_OTHER`` from each other file.
 QUICK_SWE = 2
 QUICK_OTHER = 3
-
-
-class TraceError(ValueError):
-    """A trace file is missing or malformed."""
 
 
 @dataclass(frozen=True)
@@ -69,25 +69,6 @@ def parse_trace_lines(lines: Iterable[str], *, file: str) -> list[Trajectory]:
         trace_id = str(record.get("id") or f"line{number}")
         trajectories.append(Trajectory(file, number, trace_id, tuple(messages)))
     return trajectories
-
-
-def trace_files(paths: Sequence[Path]) -> list[Path]:
-    """Expand directories to their ``*.jsonl`` files (sorted); files are taken as given.
-
-    Raises:
-        TraceError: A path does not exist, or no trace file was found.
-    """
-    found: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            found.extend(sorted(path.glob("*.jsonl")))
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise TraceError(f"trace path not found: {path}")
-    if not found:
-        raise TraceError(f"no *.jsonl trace files in {', '.join(map(str, paths))}")
-    return found
 
 
 def load_traces(paths: Sequence[Path]) -> list[Trajectory]:

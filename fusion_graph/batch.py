@@ -124,6 +124,14 @@ def plan_batch(
     counts = prior_call_counts(earlier_in_turn)
     valid: list[ToolCall] = []
     for call in message.tool_calls:
+        if not isinstance(call.get("args"), dict):
+            text = (
+                f"Malformed tool call {call['name']!r}: arguments must be a JSON object, got "
+                f"{type(call.get('args')).__name__} {call.get('args')!r}. Send the call again with an "
+                "object of named arguments."
+            )
+            plan.rejected.append(Rejected(call["id"] or "", call["name"], text, True))
+            continue
         tool = tools.get(call["name"])
         if tool is None:
             known = ", ".join(sorted(tools)) or "(none)"

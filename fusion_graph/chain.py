@@ -41,6 +41,7 @@ from fusion_graph.health import (
 )
 from fusion_graph.pricing import Pricing, pricing_for
 from fusion_graph.providers import Provider
+from fusion_graph.redact import register_model_secrets, scrub
 from fusion_graph.routing import Leg
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class ChainLink:
     close: Closer = close_chat_model
     _closed: bool = field(default=False, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        register_model_secrets(self.model)  # its key is scrubbed from error texts from now on
+
     @classmethod
     def from_provider(
         cls, provider: Provider, pricing: Pricing | None = None, close: Closer = close_chat_model
@@ -114,7 +118,10 @@ class ChainLink:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One failed try within a call; ``error`` is the exception's class name."""
+    """One failed try within a call; ``error`` is the exception's class name.
+
+    ``message`` is the error text scrubbed of secrets (``redact.scrub``), at most 500 characters.
+    """
 
     provider: str
     leg: Leg
@@ -144,7 +151,14 @@ class ChainOutcome(Generic[T]):
 
 
 class ChainExhausted(RuntimeError):
-    """Every provider failed or is cooling down; ``attempts`` holds this call's failures."""
+    """Every provider failed or is cooling down; ``attempts`` holds this call's failures.
+
+    Raised ``from None``: the providers' exceptions are not chained, because
+    their text, ``body`` and ``response`` may carry the API key (some gateways
+    echo it in a 401) and a chained cause is printed by every traceback, e.g.
+    the LangGraph server's run-error log. The message and ``attempts`` are the
+    scrubbed summary (class, kind, message, latency of each failure).
+    """
 
     def __init__(self, message: str, attempts: Sequence[Attempt], retry_in_s: float | None) -> None:
         super().__init__(message)
@@ -302,13 +316,14 @@ class ProviderChain:
         Raises:
             ChainExhausted: Every provider failed or is cooling down.
             Exception: A ``bad_request`` or unknown (``other``) error, re-raised unchanged but for a note
-                listing the attempts: the request would fail on any provider.
+                listing the (scrubbed) attempts: the request would fail on any provider. Its own text
+                is the provider's; scrub it (``redact.scrub``) before logging or storing it.
         """
         if self._closed:
             raise RuntimeError("the provider chain is closed")
         attempts: list[Attempt] = []
         failed: set[ChainLink] = set()
-        began, last_error = self._clock(), None
+        began = self._clock()
         link, preferred = self._start(preferred_leg, prefer_provider)
         link = link or self._next(failed)
         while link is not None:
@@ -316,14 +331,13 @@ class ProviderChain:
                 answer, probe = await self._attempt(link, invoke, preferred, attempts, on_attempt)
             except Exception as error:
                 if classify(error) in NO_FALLOVER:
-                    error.add_note(f"provider chain attempts: {attempts}")
+                    error.add_note(scrub(f"provider chain attempts: {attempts}"))
                     raise
                 failed.add(link)
-                last_error = error
             else:
                 return ChainOutcome(link, answer, tuple(attempts), probe, preferred, self._clock() - began)
             link, preferred = self._next(failed), False
-        raise self._exhausted(attempts) from last_error
+        raise self._exhausted(attempts) from None  # see ChainExhausted: no raw provider error
 
     async def _attempt(
         self,
@@ -343,26 +357,30 @@ class ProviderChain:
             transient = isinstance(error, Exception) and classify(error) in RETRY_IN_PLACE
             return transient and health.state(self._clock()) != "cooldown"
 
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(1 + self._retry.attempts),
-            wait=wait_exponential_jitter(
-                multiplier=self._retry.initial_s, max=self._retry.max_s, jitter=self._retry.jitter_s
-            ),
-            retry=retry_if_exception(in_place),
-            sleep=self._sleep,
-            reraise=True,
-        )
+        async def once() -> T:
+            started = self._clock()
+            try:
+                return await invoke(link)
+            except Exception as error:
+                attempts.append(self._failed(link, health, error, started, reported))
+                if on_attempt is not None:
+                    on_attempt(attempts[-1])
+                raise
+
         try:
-            async for try_ in retrying:
-                with try_:
-                    started = self._clock()
-                    try:
-                        answer = await invoke(link)
-                    except Exception as error:
-                        attempts.append(self._failed(link, health, error, started, reported))
-                        if on_attempt is not None:
-                            on_attempt(attempts[-1])
-                        raise
+            if self._retry.attempts == 0:  # the default: the chain itself is the retry
+                answer = await once()
+            else:
+                retrying = AsyncRetrying(
+                    stop=stop_after_attempt(1 + self._retry.attempts),
+                    wait=wait_exponential_jitter(
+                        multiplier=self._retry.initial_s, max=self._retry.max_s, jitter=self._retry.jitter_s
+                    ),
+                    retry=retry_if_exception(in_place),
+                    sleep=self._sleep,
+                    reraise=True,
+                )
+                answer = await retrying(once)
             if health_probe:
                 health.recovered()
             return answer, reported
@@ -379,7 +397,8 @@ class ProviderChain:
         if hurt:
             health.failed(self._clock(), f"{name}: {error}", wait, immediate=kind == "rate_limited")
         latency = self._clock() - start
-        return Attempt(link.id, link.leg, name, kind, str(error)[:500], latency, hurt, probe, wait)
+        message = scrub(str(error))[:500]  # scrub first: a cut could leave part of a key unmatched
+        return Attempt(link.id, link.leg, name, kind, message, latency, hurt, probe, wait)
 
     def _exhausted(self, attempts: Sequence[Attempt]) -> ChainExhausted:
         now, lines, backs = self._clock(), [], []
@@ -394,4 +413,4 @@ class ProviderChain:
             lines.append(f"  - {link.id} ({link.leg}): {what}; {when}")
         head = f"every provider failed or is cooling down ({len(attempts)} failed attempts)"
         message = head + (":\n" + "\n".join(lines) if lines else ": the chain is empty")
-        return ChainExhausted(message, attempts, min(backs) if backs else None)
+        return ChainExhausted(scrub(message), attempts, min(backs) if backs else None)

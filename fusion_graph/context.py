@@ -1,97 +1,68 @@
-"""The runtime context: every knob of a fusion run, declared in one place.
+"""The per-run context: what a caller may choose for one run, declared in one place.
 
-LangGraph Studio renders these fields (with their descriptions) as the
-assistant's configuration; ``langgraph dev`` and embedding apps pass them as
-``context=``. Each field falls back to an environment variable
-``FUSION_<FIELD_NAME>`` so a deployment can set defaults without code.
-Validation is pydantic's: a bad value fails at construction with a message
-that names the field and the valid range.
+LangGraph Studio renders these fields (with their defaults and descriptions)
+as the assistant's configuration; ``langgraph dev`` and embedding apps pass
+them as ``context=``. Under LangGraph server the context comes from API
+callers, so it holds only run choices (routing, limits, memory knobs, the
+system prompt) and two fields that may *narrow* the operator's settings
+(``cloud_model``, ``workspace_root``): endpoints, keys, prices and timeouts
+are ``FusionSettings``. Unknown keys, operator settings and wrong types are
+refused with a message naming the field.
+
+Each default can be set by the operator with ``FUSION_<FIELD_NAME>``; it is
+read once, at import, so the schema Studio shows carries the defaults in force.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, TypeAdapter
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
+from pydantic_core import ArgsKwargs
 
 from fusion_graph import prompts
-from fusion_graph.routing import DEFAULT_CLOUD_SHARE, DEFAULT_HYSTERESIS, Mode
+from fusion_graph.bounds import between
+from fusion_graph.routing import DEFAULT_CLOUD_SHARE, DEFAULT_HYSTERESIS, Mode, check_score_quantiles
+from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS, ContextError
 
-ENV_PREFIX = "FUSION_"
-
-#: Marks a field as a model name so LangGraph Studio renders a model picker.
-LLM_PICKER = {"__template_metadata__": {"kind": "llm"}}
-
-
-def _env(name: str, default: Any) -> Callable[[], Any]:
-    """Default factory: ``FUSION_<NAME>`` from the environment, else ``default``.
-
-    The raw string is handed to pydantic, which converts and validates it like
-    any other input; structured fields (tables, pairs) are read as JSON.
-    """
-
-    def factory() -> Any:
-        raw = os.environ.get(ENV_PREFIX + name.upper())
-        if raw is None:
-            return default
-        if isinstance(default, dict | tuple | list):
-            try:
-                return json.loads(raw)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{ENV_PREFIX + name.upper()} must be JSON: {error}") from error
-        return raw
-
-    return factory
+#: Marks a field as a model name so LangGraph Studio renders a model picker (in the served schema).
+LLM_PICKER = Field(json_schema_extra={"__template_metadata__": {"kind": "llm"}})
 
 
-def _number(value: Any) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None  # not a number: pydantic's own type error says so
-
-
-def between(low: float, high: float | None) -> tuple[Any, ...]:
-    """Range metadata: a message naming the whole valid range, and bounds Studio shows."""
-    span = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
-
-    def check(value: Any) -> Any:
-        number = _number(value)
-        if number is not None and (number < low or (high is not None and number > high)):
-            raise ValueError(f"must be {span}, got {value!r}")
-        return value
-
-    bounds = Field(ge=low, le=high) if high is not None else Field(ge=low)
-    return (bounds, BeforeValidator(check))
-
-
-def positive() -> tuple[Any, ...]:
-    """Metadata for a strictly positive number (seconds)."""
-
-    def check(value: Any) -> Any:
-        number = _number(value)
-        if number is not None and number <= 0:
-            raise ValueError(f"must be greater than 0, got {value!r}")
-        return value
-
-    return (Field(gt=0), BeforeValidator(check))
+def _score_table(value: Any) -> Any:
+    """A ``score_quantiles`` table, checked (JSON text from the environment is decoded first)."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    return None if value is None else check_score_quantiles(value)
 
 
 #: Built-in defaults (before environment overrides), for docs and tests.
 DEFAULTS: dict[str, Any] = {}
 
 
+def _env_default(name: str, default: Any) -> Any:
+    """``FUSION_<NAME>`` as the field's default when set (JSON-decoded, except for text fields)."""
+    raw = os.environ.get(ENV_PREFIX + name.upper())
+    if raw is None:
+        return default
+    if isinstance(default, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw  # pydantic's error names the field and the valid values
+
+
 def _f(name: str, default: Any, description: str) -> Any:
     DEFAULTS[name] = default
-    return Field(default_factory=_env(name, default), description=description, validate_default=True)
+    return Field(default=_env_default(name, default), description=description, validate_default=True)
 
 
-@dataclass(kw_only=True, config={"validate_assignment": True})
+@dataclass(kw_only=True, config={"validate_assignment": True, "extra": "forbid"})
 class FusionContext:
     """Configuration of one fusion-graph run (LangGraph ``context_schema``)."""
 
@@ -111,12 +82,20 @@ class FusionContext:
         "hysteresis",
         DEFAULT_HYSTERESIS,
         "Dead band (points) around the threshold so local runs last long enough for "
-        "llama-server's prefix KV cache to pay off.",
+        "llama-server's prefix KV cache to pay off; narrowed near the ends so neither bar "
+        "passes halfway to 0 or 100.",
+    )
+    score_quantiles: Annotated[tuple[float, ...] | None, BeforeValidator(_score_table)] = _f(
+        "score_quantiles",
+        None,
+        "Calibrated dial from `fusion-graph calibrate`: 101 non-decreasing score bars (0-100); "
+        "entry 100 - cloud_share is the threshold, compared with the step's exact points, so "
+        "cloud_share becomes the share of continuation steps on cloud. Empty: T = 100 - cloud_share.",
     )
     max_steps: Annotated[int, *between(1, 1000)] = _f(
         "max_steps", 25, "Inferences allowed per turn (plan, steps and repairs) before it ends."
     )
-    conversation_max_tokens: Annotated[int, *between(256, None)] = _f(
+    conversation_max_tokens: Annotated[int, *between(256, 10_000_000)] = _f(
         "conversation_max_tokens",
         32768,
         "Context budget of a conversation; prompt tokens / this is the context-pressure term.",
@@ -136,69 +115,6 @@ class FusionContext:
         "max_repair_attempts",
         2,
         "Retries of a malformed tool call, on the leg that made it, before the turn ends.",
-    )
-    cloud_model: Annotated[str, LLM_PICKER, Field(min_length=1)] = _f(
-        "cloud_model", "gpt-4o-mini", "Cloud chat model name (OpenAI or OpenAI-compatible)."
-    )
-    cloud_base_url: str | None = _f(
-        "cloud_base_url",
-        None,
-        "Base URL of an OpenAI-compatible cloud API; empty means OpenAI itself.",
-    )
-    cloud_api_key_env: Annotated[str, Field(min_length=1)] = _f(
-        "cloud_api_key_env",
-        "OPENAI_API_KEY",
-        "Name of the environment variable holding the cloud API key (never the key itself).",
-    )
-    local_model: Annotated[str, LLM_PICKER, Field(min_length=1)] = _f(
-        "local_model", "local", "Model name sent to llama-server (it serves what it loaded)."
-    )
-    local_base_url: Annotated[str, Field(min_length=1)] = _f(
-        "local_base_url",
-        "http://127.0.0.1:8080/v1",
-        "OpenAI-compatible base URL of llama-server (ends in /v1).",
-    )
-    local_slots: Annotated[int, *between(0, 1024)] = _f(
-        "local_slots",
-        0,
-        "llama-server slots (its -np). 0 asks the server (GET /props -> total_slots).",
-    )
-    reserve_reflection_slot: bool = _f(
-        "reserve_reflection_slot",
-        True,
-        "Keep llama-server's last slot for memory sub-runners so they never evict a "
-        "conversation's cached prefix.",
-    )
-    provider_allowed_failures: Annotated[int, *between(0, 100)] = _f(
-        "provider_allowed_failures",
-        2,
-        "Health failures (timeouts, connection errors, 5xx) a provider may have within the "
-        "window; one more puts it in cooldown. A 429 cools it down at once.",
-    )
-    provider_failure_window_s: Annotated[float, *positive()] = _f(
-        "provider_failure_window_s", 60.0, "Seconds over which provider failures are counted."
-    )
-    provider_cooldown_s: Annotated[float, *between(0, None)] = _f(
-        "provider_cooldown_s",
-        30.0,
-        "Seconds a failing provider sits out before a probe; a Retry-After header replaces it.",
-    )
-    override_provider: str | None = _f(
-        "override_provider",
-        None,
-        "Operator pin: the provider id tried first when the router has no preference "
-        "(e.g. 'cloud:gpt-4o-mini'). The routed leg still picks each step's starting link.",
-    )
-    local_price_per_mtok: Annotated[tuple[float, float], Field()] = _f(
-        "local_price_per_mtok",
-        (0.0, 0.0),
-        "USD per million (input, output) tokens on the local leg, e.g. to count power; default free.",
-    )
-    price_overrides: dict[str, tuple[float, float, float | None]] = _f(
-        "price_overrides",
-        {},
-        "USD per million (input, output, cached input) tokens by provider id or model name, "
-        "for models the price catalogue does not know.",
     )
     sub_runners: Literal["local", "cloud", "off"] = _f(
         "sub_runners",
@@ -222,28 +138,71 @@ class FusionContext:
         5,
         "Stored memories given to the plan step of a turn (most relevant, then newest).",
     )
-    memory_timeout_s: Annotated[float, *positive()] = _f(
-        "memory_timeout_s", 60.0, "Seconds a memory job may take before it is dropped."
-    )
     memory_max_tokens: Annotated[int, *between(16, 8192)] = _f(
         "memory_max_tokens", 512, "Completion budget of one memory job answer."
-    )
-    request_timeout: Annotated[float, *positive()] = _f(
-        "request_timeout", 120.0, "Seconds before a model request is abandoned."
     )
     system_prompt: str = _f(
         "system_prompt", prompts.SYSTEM_PROMPT, "System prompt of every step in the turn."
     )
-    workspace_root: Annotated[str, Field(min_length=1)] = _f(
-        "workspace_root",
-        ".",
-        "Directory the built-in file tools are confined to; paths outside it are refused.",
+
+    cloud_model: Annotated[str | None, LLM_PICKER] = _f(
+        "run_cloud_model",
+        None,
+        "Cloud model for this run, one of the operator's allowed models (FUSION_CLOUD_MODEL and "
+        "FUSION_CLOUD_MODELS); empty uses the operator's cloud_model.",
     )
+    workspace_root: str | None = _f(
+        "run_workspace_root",
+        None,
+        "Directory inside the operator's workspace to confine this run's file tools to; empty "
+        "uses the operator's workspace_root.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_operator_settings(cls, data: Any) -> Any:
+        given = data.kwargs if isinstance(data, ArgsKwargs) else data
+        if isinstance(given, dict):
+            operator = sorted((set(given) & OPERATOR_FIELDS) - RUN_FIELDS)
+            if operator:
+                raise ValueError(
+                    f"{operator[0]} is an operator setting, not part of a run's context: set "
+                    f"{ENV_PREFIX}{operator[0].upper()} where the graph runs, or pass "
+                    "build_graph(settings=FusionSettings(...))"
+                )
+        return data
 
     @property
     def env_names(self) -> dict[str, str]:
         """Field name -> the environment variable that sets its default."""
-        return {f.name: ENV_PREFIX + f.name.upper() for f in fields(self)}
+        return {name: ENV_PREFIX + env.upper() for name, env in ENV_KEYS.items()}
+
+
+#: Fields a run's context may set (two of them narrow operator settings).
+RUN_FIELDS = frozenset(f.name for f in fields(FusionContext))
+
+#: The environment variable suffix of each field's default (the narrowing fields have their own,
+#: so they never collide with the operator's FUSION_CLOUD_MODEL / FUSION_WORKSPACE_ROOT).
+ENV_KEYS = {
+    name: {"cloud_model": "run_cloud_model", "workspace_root": "run_workspace_root"}.get(name, name)
+    for name in RUN_FIELDS
+}
+
+
+def _check_env_defaults() -> None:
+    """Fail at import, naming the variable, when a ``FUSION_*`` default of the context is invalid."""
+    try:
+        FusionContext()
+    except ValidationError as error:
+        bad = "; ".join(
+            f"{ENV_PREFIX}{ENV_KEYS[str(e['loc'][0])].upper()} ({e['loc'][0]}): {e['msg']}"
+            for e in error.errors()
+            if e["loc"] and str(e["loc"][0]) in ENV_KEYS
+        )
+        raise ContextError(f"invalid run-context default from the environment: {bad or error}") from None
+
+
+_check_env_defaults()
 
 
 def context_fields() -> list[tuple[str, str, Any, str]]:
@@ -256,14 +215,33 @@ def context_fields() -> list[tuple[str, str, Any, str]]:
         )
         if "enum" in schema[f.name]:
             kind = " | ".join(schema[f.name]["enum"])
-        rows.append((f.name, str(kind), DEFAULTS[f.name], str(schema[f.name].get("description", ""))))
+        rows.append(
+            (f.name, str(kind), DEFAULTS[ENV_KEYS[f.name]], str(schema[f.name].get("description", "")))
+        )
     return rows
 
 
-def ensure_context(context: FusionContext | dict[str, Any] | None) -> FusionContext:
-    """The run's context, with defaults when the caller passed none."""
+def ensure_context(context: Any) -> FusionContext:
+    """The run's context, validated, with defaults when the caller passed none.
+
+    Raises:
+        ContextError: The context is not a mapping of run fields, names an
+            unknown field or an operator setting, or holds a wrong value.
+    """
     if context is None:
         return FusionContext()
-    if isinstance(context, dict):
+    if isinstance(context, FusionContext):
+        return context
+    if not isinstance(context, dict):
+        raise ContextError(
+            f"the run context must be an object of run settings (FusionContext fields), "
+            f"got {type(context).__name__}: {context!r:.80}"
+        )
+    try:
         return FusionContext(**context)
-    return context
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'context'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in error.errors()
+        )
+        raise ContextError(f"invalid run context: {problems}") from None

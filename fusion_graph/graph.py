@@ -1,72 +1,66 @@
-"""The fusion agent graph: plan on cloud, route each step by score, validate every batch.
+"""The fusion agent graph: plan on cloud, route each step by score, one task per tool call.
 
 Diagram::
 
-    START -> plan -> tools -> route -> local | cloud -> tools -> ... -> reply
-                              route -> repair (same leg) | step_limit | give_up
-    reply -> memory (side branch, on the sub_runners leg) -> END
+    START -> plan -> tools (one Send per call) -> route -> local | cloud -> tools -> ...
+                                                  route -> repair (same leg) | step_limit | give_up
+    tools -> local | cloud | ...                    (a batch's lone call routes the next step itself)
+    plan | local | cloud | repair -> route          (a batch with nothing to run)
+    plan | local | cloud | repair -> memory -> END  (a reply; memory is the side branch)
+    plan | local | cloud | repair -> unavailable    (every provider down: raise; resume retries)
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal
+from collections.abc import Sequence
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.tools import BaseTool
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph import END, START, StateGraph
-from langgraph.graph.state import CompiledStateGraph
 from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
+from langgraph.types import Send
 
 from fusion_graph.chain import ProviderChain
-from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.context import FusionContext
 from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
-from fusion_graph.nodes import Nodes
+from fusion_graph.nodes import (
+    DESTINATIONS,
+    InferenceNodes,
+    MemoryNodes,
+    RouteNode,
+    give_up,
+    make_tool_node,
+    memory_on,
+    sends,
+    step_limit,
+    unavailable,
+)
+from fusion_graph.nodes.ends import RETRY_DESTINATIONS
+from fusion_graph.nodes.tools import ToolStep
 from fusion_graph.resolver import ProviderResolver
+from fusion_graph.serial import FusionGraph, serialised
+from fusion_graph.settings import FusionSettings
 from fusion_graph.signals import TokenCounter, approximate_tokens
 from fusion_graph.state import InputState, State
-from fusion_graph.tools import TOOLS
-from fusion_graph.turn import continuation_route, last_ai, next_step, wants_tools
+from fusion_graph.tools import make_workspace_tools
+from fusion_graph.turn import last_batch, pending_calls, wants_tools
 
 GRAPH_NAME = "fusion"
 
 
-def memory_on(runtime: Runtime[FusionContext]) -> bool:
-    """Whether memory jobs can run: a store is attached and ``sub_runners`` is not ``off``."""
-    return runtime.store is not None and ensure_context(runtime.context).sub_runners != "off"
-
-
-def after_model(state: State, runtime: Runtime[FusionContext]) -> Literal["tools", "memory", "__end__"]:
-    """Tool calls go to the tool node; a reply ends the turn, via the memory side branch."""
-    if wants_tools(last_ai(state["messages"])):
-        return "tools"
-    return "memory" if memory_on(runtime) else "__end__"
-
-
-Router = Callable[[State, Runtime[FusionContext]], Awaitable[str | list[str]]]
-
-
-def make_router(count_tokens: TokenCounter) -> Router:
-    """The routing edge after a tool batch: limits and repairs first, then the score."""
-
-    async def route(state: State, runtime: Runtime[FusionContext]) -> str | list[str]:
-        context = ensure_context(runtime.context)
-        step = next_step(state)
-        if step >= context.max_steps:
-            return "step_limit"
-        if state.get("repair_error"):
-            if state.get("repair_attempts", 0) >= context.max_repair_attempts:
-                return "give_up"
-            return "repair"
-        decision, _ = continuation_route(state, context, count_tokens)
-        every = context.memory_every_k_steps
-        if every and step % every == 0 and memory_on(runtime):
-            return [decision.leg, "memory"]  # the side branch runs beside the next step
-        return decision.leg
-
-    return route
+def after_model(state: State, runtime: Runtime[FusionContext]) -> str | list[Send]:
+    """Runnable calls go to ``tools`` (one task each); a rejected batch to ``route``; a reply ends."""
+    if state.get("stall"):
+        return "unavailable"
+    messages = state["messages"]
+    pending = pending_calls(messages)
+    if pending:
+        return sends(pending)
+    if wants_tools(last_batch(messages)):
+        return "route"  # every call of the batch was answered (rejected) before running
+    return "memory" if memory_on(runtime) else END
 
 
 def build_graph(
@@ -80,7 +74,8 @@ def build_graph(
     chain: ProviderChain | None = None,
     resolver: ProviderResolver | None = None,
     memory_jobs: Sequence[MemoryJob] = DEFAULT_JOBS,
-) -> CompiledStateGraph[State, FusionContext, InputState, State]:
+    settings: FusionSettings | None = None,
+) -> FusionGraph:
     """Build and compile the fusion graph.
 
     Args:
@@ -98,38 +93,45 @@ def build_graph(
             (``await resolver.aclose()``) when your app shuts down; built from the
             arguments above when ``None``.
         memory_jobs: Structured memory jobs run after each reply (needs a store).
+        settings: The operator's settings (endpoints, keys, workspace, prices,
+            timeouts); ``None`` reads ``FUSION_*`` variables (and ``.env``) now.
+
+    Returns:
+        The compiled graph; runs on one ``thread_id`` in this process queue behind each other.
     """
     if resolver is None:
-        resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain)
-    elif cloud_model is not None or local_model is not None or chain is not None:
-        raise ValueError("pass either a resolver or cloud_model/local_model/chain, not both")
-    nodes = Nodes(
-        resolver=resolver,
-        tools=TOOLS if tools is None else tools,
-        count_tokens=count_tokens,
-        memory_jobs=memory_jobs,
-        graph_name=GRAPH_NAME,
+        resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain, settings=settings)
+    elif cloud_model is not None or local_model is not None or chain is not None or settings is not None:
+        raise ValueError("pass either a resolver or cloud_model/local_model/chain/settings, not both")
+    tool_list = list(make_workspace_tools(settings=resolver.settings) if tools is None else tools)
+    memory = MemoryNodes(resolver=resolver, jobs=memory_jobs, graph_name=GRAPH_NAME, tools=tool_list)
+    inference = InferenceNodes(
+        resolver=resolver, tools=tool_list, count_tokens=count_tokens, recall=memory.recall
     )
+    route = RouteNode(count_tokens, {t.name: t for t in tool_list}, memory_on)
+
     builder = StateGraph(State, context_schema=FusionContext, input_schema=InputState)
-    builder.add_node("plan", nodes.plan)
-    builder.add_node("local", nodes.local)
-    builder.add_node("cloud", nodes.cloud)
-    builder.add_node("tools", nodes.tools)
-    builder.add_node("repair", nodes.repair)
-    builder.add_node("step_limit", nodes.step_limit)
-    builder.add_node("give_up", nodes.give_up)
-    builder.add_node("memory", nodes.memory)
+    builder.add_node("plan", inference.plan)
+    builder.add_node("local", inference.local)
+    builder.add_node("cloud", inference.cloud)
+    builder.add_node("repair", inference.repair)
+    tool_step = ToolStep(make_tool_node(tool_list), route)
+    # A Send payload (a list of tool calls), not the state, is this node's input, as for ToolNode.
+    after_tool = ("route", *(node for node in DESTINATIONS if node != "tools"))
+    builder.add_node("tools", tool_step, destinations=after_tool)  # type: ignore[call-overload]
+    builder.add_node("route", route, destinations=DESTINATIONS)
+    builder.add_node("step_limit", step_limit)
+    builder.add_node("give_up", give_up)
+    builder.add_node("unavailable", unavailable, destinations=RETRY_DESTINATIONS)
+    builder.add_node("memory", memory.memory)
 
     builder.add_edge(START, "plan")
     for executor in ("plan", "local", "cloud", "repair"):
-        builder.add_conditional_edges(executor, after_model, ["tools", "memory", END])
-    builder.add_conditional_edges(
-        "tools", make_router(count_tokens), ["local", "cloud", "repair", "step_limit", "give_up", "memory"]
-    )
+        builder.add_conditional_edges(executor, after_model, ["tools", "route", "memory", "unavailable", END])
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)
     builder.add_edge("memory", END)
-    return builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME)
+    return serialised(builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME))
 
 
 #: The default graph for ``langgraph dev`` / LangGraph server (which bring their own checkpointer).

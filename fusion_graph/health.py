@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import openai
 
+from fusion_graph.redact import scrub
+
 ErrorClass = Literal[
     "rate_limited",
     "timeout",
@@ -167,6 +169,7 @@ class Health:
     failures: list[float] = field(default_factory=list)
     cooldown_until: float | None = None
     probing: bool = False
+    #: The last health failure's text, scrubbed of secrets (``redact.scrub``).
     last_error: str | None = None
 
     def state(self, now: float) -> HealthState:
@@ -181,8 +184,11 @@ class Health:
         return state == "healthy" or (state == "half_open" and not self.probing)
 
     def failed(self, now: float, error: str, retry_after_s: float | None, *, immediate: bool) -> None:
-        """Count a health failure; trip the cooldown (or restart it, e.g. a failed probe) when due."""
-        self.last_error = error
+        """Count a health failure; trip the cooldown (or restart it, e.g. a failed probe) when due.
+
+        ``error`` is kept as ``last_error`` after ``redact.scrub``.
+        """
+        self.last_error = scrub(error)
         self.failures = [t for t in self.failures if t > now - self.policy.window_s] + [now]
         tripped = len(self.failures) > self.policy.allowed_failures or self.cooldown_until is not None
         if immediate or retry_after_s is not None or tripped:

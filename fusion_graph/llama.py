@@ -1,6 +1,6 @@
 """llama-server as the local leg: its chat model and its ``/props`` discovery.
 
-``ChatLlamaServer`` is ``ChatOpenAI`` that keeps llama-server's ``timings``
+``ChatLlamaServer`` is ``ChatOpenAI`` (with repairable tool arguments) that keeps llama-server's ``timings``
 object (``prompt_n`` processed, ``cache_n`` reused, ``prompt_ms``), which
 langchain-openai otherwise drops, in the answer's ``response_metadata``.
 """
@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import openai
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_openai import ChatOpenAI
+
+from fusion_graph.chat_models import ChatOpenAICompatible
 
 START_HINT = (
     "start one with: llama-server -m MODEL.gguf --jinja -np 4 -c 32768 --port 8080 "
@@ -75,7 +76,7 @@ def timings_of(payload: Any) -> dict[str, Any] | None:
     return None
 
 
-class ChatLlamaServer(ChatOpenAI):
+class ChatLlamaServer(ChatOpenAICompatible):
     """``ChatOpenAI`` for llama-server that keeps its ``timings`` in ``response_metadata``."""
 
     def _create_chat_result(

@@ -7,6 +7,13 @@ knows input, cached-input and output prices and their tiers. Anything else
 ``TokenPrices`` from a per-provider override table. The local leg defaults to
 free; set ``local`` to a non-zero price to account for power.
 
+A link is priced by its leg first, never by a model name alone: a local link
+costs the local price unless an override names its provider id, and
+model-name overrides and the catalogue apply to cloud links only, so a
+llama-server that serves a model under a cloud model's name is not billed at
+the cloud's rate. A gateway's cloud model is looked up at the catalogue
+provider it bills like (``price_like``), when given.
+
 A cost is always priced against the provider that *answered*, so a fallback
 to the other leg is billed at that leg's price. When a price cannot be known
 the answer is ``None``, never a made-up number.
@@ -20,6 +27,7 @@ from datetime import datetime
 from decimal import Decimal
 
 from genai_prices import Usage, calc_price
+from genai_prices.data_snapshot import find_provider_by_id, get_snapshot
 from genai_prices.types import TieredPrices
 
 from fusion_graph.providers import Provider, model_name
@@ -95,24 +103,48 @@ def default_pricing(
     api_url: str | None = None,
     overrides: Mapping[str, TokenPrices] | None = None,
     local: TokenPrices = FREE,
+    price_like: str | None = None,
 ) -> Pricing:
-    """The pricing of a chain provider: override table, then local price, then catalogue.
+    """The pricing of a chain provider, by its leg first.
+
+    In order: an override keyed by ``provider_id``; for a local provider,
+    ``local``; for a cloud provider, an override keyed by ``model_ref``, then
+    the catalogue (at ``price_like`` when given, else the provider inferred
+    from ``api_url`` or the model name).
 
     Args:
-        provider_id: The chain's provider id (the key of ``overrides``).
-        leg: The provider's leg; local providers cost ``local`` unless overridden.
-        model_ref: The model name, looked up in the catalogue for cloud providers.
+        provider_id: The chain's provider id (an exact key of ``overrides``, for any leg).
+        leg: The provider's leg; local providers cost ``local`` unless their id is overridden.
+        model_ref: The model name: a key of ``overrides`` and a catalogue entry, for cloud providers.
         api_url: The provider's base URL, if not the vendor's default.
-        overrides: USD per million tokens per provider id (or per model name).
+        overrides: USD per million tokens per provider id (any leg) or model name (cloud only).
         local: Price of the local leg (default free; set it to count power).
+        price_like: ``genai-prices`` provider id whose catalogue prices a cloud provider
+            (e.g. ``openai`` for a gateway at an unknown ``api_url``); ``None`` infers it.
     """
     table = overrides or {}
-    fixed = table.get(provider_id, table.get(model_ref))
-    if fixed is not None:
-        return Pricing.flat(fixed)
+    if provider_id in table:
+        return Pricing.flat(table[provider_id])
     if leg == "local":
         return Pricing.flat(local)
+    if model_ref in table:
+        return Pricing.flat(table[model_ref])
+    if price_like:
+        return Pricing.catalog(model_ref, provider_id=price_like, api_url=api_url)
     return Pricing.catalog(model_ref, api_url=api_url)
+
+
+def catalog_provider_ids() -> list[str]:
+    """The ``genai-prices`` provider ids (values of ``price_like``/``cloud_price_like``)."""
+    return sorted(provider.id for provider in get_snapshot().providers)
+
+
+def check_price_like(price_like: str) -> str:
+    """``price_like`` if the catalogue knows that provider; else a ``ValueError`` listing the known ones."""
+    if find_provider_by_id(get_snapshot().providers, price_like) is None:
+        known = ", ".join(catalog_provider_ids())
+        raise ValueError(f"cloud_price_like {price_like!r} is not a genai-prices provider; known: {known}")
+    return price_like
 
 
 def _catalog_calc(pricing: Pricing, usage: Usage, at: datetime | None) -> tuple[Decimal, TokenPrices] | None:
@@ -290,7 +322,11 @@ def chain_totals(
 
 
 def pricing_for(
-    provider: Provider, *, overrides: Mapping[str, TokenPrices] | None = None, local: TokenPrices = FREE
+    provider: Provider,
+    *,
+    overrides: Mapping[str, TokenPrices] | None = None,
+    local: TokenPrices = FREE,
+    price_like: str | None = None,
 ) -> Pricing:
     """``default_pricing`` of a ``providers.Provider`` (its id, leg, model name and base URL)."""
     return default_pricing(
@@ -300,4 +336,5 @@ def pricing_for(
         api_url=provider.base_url,
         overrides=overrides,
         local=local,
+        price_like=price_like,
     )

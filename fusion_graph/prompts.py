@@ -32,11 +32,14 @@ REPAIR_EXHAUSTED = (
     "ended here. Last error: {error}"
 )
 
+# NOTE: sent after the whole conversation (the same prefix the steps send, so llama-server
+# reuses its cache); it asks about the latest part, since earlier turns have had their jobs.
 MEMORY_INSTRUCTIONS = (
-    "You maintain the long-term memory of a software agent. From the conversation excerpt, "
-    "list what is worth remembering in later conversations: durable facts about the user or "
-    "the project, decisions taken, and tasks left open. Skip anything transient. Reply with "
-    "JSON only, matching the schema; an empty list is a fine answer."
+    "Memory job: do not call tools and do not continue the task. You maintain the long-term "
+    "memory of the software agent above. From the latest part of the conversation (since the "
+    "user's last request), list what is worth remembering in later conversations: durable "
+    "facts about the user or the project, decisions taken, and tasks left open. Skip anything "
+    "transient. Reply with JSON only, matching the schema; an empty list is a fine answer."
 )
 
 MEMORY_REPAIR = (

@@ -1,4 +1,4 @@
-"""Providers: who answers a leg's inference, and the default models built from the context.
+"""Providers: who answers a leg's inference, and the default models built from the settings.
 
 A ``Provider`` is an id, the leg it serves and its chat model. Default models
 are OpenAI-compatible ``ChatOpenAI`` clients with their own HTTP client (so
@@ -8,7 +8,6 @@ retries: the provider chain is the retry.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +15,11 @@ import httpx
 from langchain_core.language_models import BaseChatModel
 from langchain_openai import ChatOpenAI
 
-from fusion_graph.context import FusionContext
+from fusion_graph.chat_models import ChatOpenAICompatible
 from fusion_graph.llama import ChatLlamaServer
+from fusion_graph.redact import register_secret
 from fusion_graph.routing import Leg
+from fusion_graph.settings import FusionSettings
 
 #: llama-server ignores the key, but the OpenAI client insists on one.
 LOCAL_API_KEY = "sk-no-key-required"
@@ -53,38 +54,44 @@ def model_name(model: BaseChatModel) -> str:
     return type(model).__name__
 
 
-def build_cloud_model(context: FusionContext) -> BaseChatModel:
-    """The cloud leg's default model: OpenAI, or any OpenAI-compatible ``cloud_base_url``."""
-    key = os.environ.get(context.cloud_api_key_env)
+def build_cloud_model(settings: FusionSettings) -> BaseChatModel:
+    """The cloud leg's default model: OpenAI, or any OpenAI-compatible ``cloud_base_url``.
+
+    The key is registered with ``redact.register_secret``, so no error text
+    fusion-graph records or logs can carry it.
+    """
+    secret = settings.api_key()
+    key = secret.get_secret_value() if secret is not None else None
+    register_secret(key)
     if not key:
         raise ProviderConfigError(
             f"the cloud leg needs an API key: set the environment variable "
-            f"{context.cloud_api_key_env} (named by cloud_api_key_env), pass "
+            f"{settings.cloud_api_key_env} (named by FUSION_CLOUD_API_KEY_ENV) or FUSION_CLOUD_API_KEY, pass "
             "cloud_model=... to build_graph, or run with mode='local'"
         )
     kwargs: dict[str, Any] = {}
-    if context.cloud_base_url:
-        kwargs["base_url"] = context.cloud_base_url
-    return ChatOpenAI(
-        model=context.cloud_model,
-        api_key=key,
-        timeout=context.request_timeout,
+    if settings.cloud_base_url:
+        kwargs["base_url"] = settings.cloud_base_url
+    return ChatOpenAICompatible(
+        model=settings.cloud_model,
+        api_key=secret,
+        timeout=settings.request_timeout,
         max_retries=0,
         stream_usage=True,
-        http_async_client=httpx.AsyncClient(timeout=context.request_timeout),
+        http_async_client=httpx.AsyncClient(timeout=settings.request_timeout),
         **kwargs,
     )
 
 
-def build_local_model(context: FusionContext) -> BaseChatModel:
+def build_local_model(settings: FusionSettings) -> BaseChatModel:
     """The local leg's default model: llama-server's OpenAI-compatible API."""
     return ChatLlamaServer(
-        model=context.local_model,
-        base_url=context.local_base_url,
+        model=settings.local_model,
+        base_url=settings.local_base_url,
         api_key=LOCAL_API_KEY,
-        timeout=context.request_timeout,
+        timeout=settings.request_timeout,
         max_retries=0,
-        http_async_client=httpx.AsyncClient(timeout=context.request_timeout),
+        http_async_client=httpx.AsyncClient(timeout=settings.request_timeout),
         # langchain-openai only asks for streamed usage by itself when no
         # base_url is set; llama-server's cache numbers ride on that usage.
         stream_usage=True,

@@ -12,7 +12,9 @@ be circular. Do not add it here; it belongs in the route log, not the score.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from typing import Literal
 
 Leg = Literal["local", "cloud"]
@@ -73,6 +75,15 @@ class StepScore:
         data.pop("score")
         return data
 
+    @property
+    def points(self) -> float:
+        """The total before rounding to ``score``: the sum of the terms, to 2 decimals.
+
+        The calibrated dial compares this, so steps that share an integer score
+        can still be told apart.
+        """
+        return round(self.context_pressure + self.turn_depth + self.transient_notice + self.tail_growth, 2)
+
 
 @dataclass(frozen=True)
 class RouteDecision:
@@ -84,7 +95,8 @@ class RouteDecision:
 
     leg: Leg
     score: StepScore | None
-    threshold: int | None
+    threshold: float | None
+    """An integer under the design's rule; points (2 decimals) under a calibrated table."""
     reason: str
 
 
@@ -118,6 +130,43 @@ def cloud_threshold(cloud_share: int) -> int:
     return 100 - cloud_share
 
 
+#: Entries of a calibrated ``score_quantiles`` table: one per percentile, 0 to 100.
+QUANTILE_TABLE_LENGTH = 101
+
+
+def hysteresis_band(base: float, hysteresis: int) -> tuple[float, float]:
+    """The two bars around a base threshold: ``(escalate at, stay on cloud down to)``.
+
+    The half-width is ``h' = min(h, T // 2, (100 - T) // 2)``: the band never
+    reaches more than halfway from ``T`` to either end of the scale, so for
+    ``0 < cloud_share < 100`` the stay-on-cloud bar is at least ``ceil(T / 2) > 0``
+    (a score-0 step leaves cloud) and the escalation bar stays below 100.
+    Integer in, integers out; a calibrated (2-decimal) ``T`` gives bars to 2 decimals.
+    """
+    half = min(hysteresis, base // 2, (100 - base) // 2)
+    return round(base + half, 2), round(base - half, 2)
+
+
+def check_score_quantiles(table: Sequence[float]) -> tuple[float, ...]:
+    """``table`` as a tuple if it is a valid calibrated dial, else a ``ValueError`` saying why.
+
+    Valid: ``QUANTILE_TABLE_LENGTH`` (101) numbers, each between 0 and 100,
+    non-decreasing. Entry ``k`` is the base threshold (in score points) for
+    ``cloud_share = 100 - k``; ``fusion-graph calibrate`` learns it from traces.
+    """
+    values = tuple(float(value) for value in table)
+    if len(values) != QUANTILE_TABLE_LENGTH:
+        raise ValueError(
+            f"score_quantiles must have {QUANTILE_TABLE_LENGTH} entries (percentiles 0-100), "
+            f"got {len(values)}"
+        )
+    if any(not 0 <= value <= 100 for value in values):
+        raise ValueError("score_quantiles entries must be between 0 and 100")
+    if any(later < earlier for earlier, later in pairwise(values)):
+        raise ValueError("score_quantiles must be non-decreasing")
+    return values
+
+
 def decide_leg(
     *,
     mode: Mode,
@@ -126,13 +175,21 @@ def decide_leg(
     score: StepScore | None,
     cloud_share: int = DEFAULT_CLOUD_SHARE,
     hysteresis: int = DEFAULT_HYSTERESIS,
+    score_quantiles: Sequence[float] | None = None,
 ) -> RouteDecision:
     """Pick the leg of one step.
 
     ``cloud``/``local`` modes pin every step. In ``fusion``: ``cloud_share == 0``
     never goes cloud and ``100`` always does; step 0 (the plan) goes cloud whenever ``cloud_share > 0``;
-    a continuation from a local leg goes cloud iff ``score >= min(T + h, 100)``;
-    a continuation from a cloud leg stays cloud iff ``score >= T - h``.
+    a continuation from a local leg goes cloud iff ``score >= T + h'``;
+    a continuation from a cloud leg stays cloud iff ``score >= T - h'``, where
+    ``h'`` is ``hysteresis`` narrowed near the ends of the scale (``hysteresis_band``).
+
+    ``T`` is the design's ``100 - cloud_share``, compared with the integer score.
+    With a calibrated ``score_quantiles`` table, ``T`` is its entry
+    ``100 - cloud_share`` and is compared with the step's exact points
+    (``StepScore.points``); the table was learned with the same band, so
+    ``cloud_share`` is then the share of continuation steps that go to cloud.
 
     The hysteresis keeps runs of local steps long: llama-server reuses its KV
     cache by longest common prefix, so flipping legs every step would make it
@@ -145,6 +202,8 @@ def decide_leg(
         score: The step's score; required for fusion continuations.
         cloud_share: The dial, 0-100.
         hysteresis: Half-width of the dead band around the threshold.
+        score_quantiles: A calibrated dial (``check_score_quantiles``); ``None``
+            keeps the design's rule.
     """
     if not 0 <= cloud_share <= 100:
         raise ValueError(f"cloud_share must be between 0 and 100, got {cloud_share}")
@@ -166,17 +225,25 @@ def decide_leg(
         )
     if score is None:
         raise ValueError("fusion continuation steps need a score")
-    base = cloud_threshold(cloud_share)
+    base: float = cloud_threshold(cloud_share)
+    value: float = score.score
+    shown, label = str(score.score), f"T={base}"
+    if score_quantiles is not None:
+        base = check_score_quantiles(score_quantiles)[100 - cloud_share]
+        value = score.points
+        shown, label = f"{score.score} ({value:g} points)", f"calibrated T={base:g}"
+    escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
+    half = round(escalate_at - base, 2)
     if current_leg == "cloud":
-        threshold = max(base - hysteresis, 0)
-        if score.score >= threshold:
-            reason = f"score {score.score} >= {threshold} (T={base} - h={hysteresis}): stay on cloud"
+        threshold = stay_down_to
+        if value >= threshold:
+            reason = f"score {shown} >= {threshold:g} ({label} - h={half:g}): stay on cloud"
             return RouteDecision("cloud", score, threshold, reason)
-        reason = f"score {score.score} < {threshold} (T={base} - h={hysteresis}): back to local"
+        reason = f"score {shown} < {threshold:g} ({label} - h={half:g}): back to local"
         return RouteDecision("local", score, threshold, reason)
-    threshold = min(base + hysteresis, 100)
-    if score.score >= threshold:
-        reason = f"score {score.score} >= {threshold} (T={base} + h={hysteresis}): escalate to cloud"
+    threshold = escalate_at
+    if value >= threshold:
+        reason = f"score {shown} >= {threshold:g} ({label} + h={half:g}): escalate to cloud"
         return RouteDecision("cloud", score, threshold, reason)
-    reason = f"score {score.score} < {threshold} (T={base} + h={hysteresis}): stay local"
+    reason = f"score {shown} < {threshold:g} ({label} + h={half:g}): stay local"
     return RouteDecision("local", score, threshold, reason)

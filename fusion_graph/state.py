@@ -33,7 +33,7 @@ class RouteRecord(TypedDict):
     """The leg the router (or the repair rule) chose."""
     score: int | None
     breakdown: dict[str, float] | None
-    threshold: int | None
+    threshold: float | None
     reason: str
     signals: dict[str, Any]
     provider: str | None
@@ -51,6 +51,26 @@ class RouteRecord(TypedDict):
     prompt_ms: float | None
     """Local prefill time (``timings.prompt_ms``); comparable only within one run."""
     extra: dict[str, Any]
+
+
+class RouteChoice(TypedDict):
+    """A routing decision as plain data (checkpointable): what ``route`` hands the executor."""
+
+    step: int
+    leg: Leg
+    score: int | None
+    breakdown: dict[str, float] | None
+    threshold: float | None
+    reason: str
+    signals: dict[str, Any]
+
+
+class Stall(TypedDict):
+    """An inference no provider could answer: which node to retry, and what the chain said."""
+
+    node: str
+    message: str
+    retry_in_s: float | None
 
 
 def add_totals(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any]:
@@ -93,3 +113,9 @@ class State(InputState):
     """Consecutive repairs of malformed tool calls in this turn."""
     repair_error: NotRequired[str | None]
     """Why the last batch needs repair (``None`` when it was valid)."""
+    # NOTE: the routing node decides once and hands the decision to the executor
+    # through this field; the executor clears it when its inference is recorded.
+    route: NotRequired[RouteChoice | None]
+    """The decision for the next continuation step, written by the ``route`` node."""
+    stall: NotRequired[Stall | None]
+    """Set when every provider failed an inference; resuming the thread retries it."""

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages.tool import ToolCall
 
 from fusion_graph.context import FusionContext
-from fusion_graph.routing import Leg, RouteDecision, StepSignals, decide_leg, score_step
+from fusion_graph.routing import Leg, RouteDecision, StepScore, StepSignals, decide_leg, score_step
 from fusion_graph.signals import TokenCounter, approximate_tokens, step_signals, turn_start
-from fusion_graph.state import State
-
-
-def turn_messages(messages: Sequence[BaseMessage]) -> Sequence[BaseMessage]:
-    """Messages after this turn's user message."""
-    return messages[turn_start(messages) + 1 :]
+from fusion_graph.state import RouteChoice, State
 
 
 def last_ai(messages: Sequence[BaseMessage]) -> AIMessage | None:
@@ -22,6 +18,30 @@ def last_ai(messages: Sequence[BaseMessage]) -> AIMessage | None:
     if messages and isinstance(messages[-1], AIMessage):
         return messages[-1]
     return None
+
+
+def _batch_index(messages: Sequence[BaseMessage]) -> int | None:
+    for index in range(len(messages) - 1, turn_start(messages), -1):
+        if isinstance(messages[index], AIMessage):
+            return index
+    return None
+
+
+def last_batch(messages: Sequence[BaseMessage]) -> AIMessage | None:
+    """The AI message whose tool batch is in progress: the last AI message of the turn."""
+    index = _batch_index(messages)
+    return None if index is None else messages[index]  # type: ignore[return-value]
+
+
+def pending_calls(messages: Sequence[BaseMessage]) -> list[ToolCall]:
+    """Calls of the batch in progress that have no tool result yet, in batch order."""
+    index = _batch_index(messages)
+    if index is None:
+        return []
+    batch = messages[index]
+    assert isinstance(batch, AIMessage)
+    answered = {m.tool_call_id for m in messages[index + 1 :] if isinstance(m, ToolMessage)}
+    return [call for call in batch.tool_calls if call["id"] not in answered]
 
 
 def wants_tools(message: AIMessage | None) -> bool:
@@ -60,6 +80,7 @@ def route_step(
         score=score_step(signals),
         cloud_share=context.cloud_share,
         hysteresis=context.hysteresis,
+        score_quantiles=context.score_quantiles,
     )
     return decision, signals
 
@@ -67,11 +88,7 @@ def route_step(
 def continuation_route(
     state: State, context: FusionContext, count_tokens: TokenCounter = approximate_tokens
 ) -> tuple[RouteDecision, StepSignals]:
-    """Score and route the next continuation step.
-
-    The routing edge and the executor node both call this on the same state, so
-    the node records exactly the decision the edge took.
-    """
+    """Score and route the next continuation step (the ``route`` node and replay call this)."""
     return route_step(
         state,
         context,
@@ -87,3 +104,37 @@ def plan_route(
 ) -> tuple[RouteDecision, StepSignals]:
     """Route step 0 (the plan): cloud whenever ``cloud_share > 0`` in fusion."""
     return route_step(state, context, step=0, notice=False, current_leg=None, count_tokens=count_tokens)
+
+
+def choice_of(step: int, decision: RouteDecision, signals: StepSignals) -> RouteChoice:
+    """A decision as plain, checkpointable data, for the executor that acts on it."""
+    score = decision.score
+    breakdown = None
+    if score is not None:
+        breakdown = {
+            "context_pressure": score.context_pressure,
+            "turn_depth": score.turn_depth,
+            "transient_notice": score.transient_notice,
+            "tail_growth": score.tail_growth,
+        }
+    return RouteChoice(
+        step=step,
+        leg=decision.leg,
+        score=score.score if score is not None else None,
+        breakdown=breakdown,
+        threshold=decision.threshold,
+        reason=decision.reason,
+        signals=dict(vars(signals)),
+    )
+
+
+def decision_of(choice: RouteChoice) -> tuple[RouteDecision, StepSignals]:
+    """The decision and signals ``choice_of`` wrote (the inverse, for the executor and records)."""
+    breakdown = choice["breakdown"]
+    score = (
+        StepScore(score=choice["score"], **breakdown)
+        if choice["score"] is not None and breakdown is not None
+        else None
+    )
+    decision = RouteDecision(choice["leg"], score, choice["threshold"], choice["reason"])
+    return decision, StepSignals(**choice["signals"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command set-up on a fresh machine: build tools, a virtual environment with
-# the package and its dev extra, and the llama-server used by integration tests
-# and benchmarks (built once, then cached).
+# the package, its dev extra and its test harness (testing/), and the llama-server
+# used by integration tests and benchmarks (built once, then cached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,4 +29,6 @@ PYTHON="${PYTHON:-python3}"
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".[dev]"
+# The test harness (llama-server, tiny model, fake OpenAI server) is its own distribution.
+.venv/bin/python -m pip install --quiet -e ./testing
 PYTHON=.venv/bin/python bash scripts/build_llama_server.sh

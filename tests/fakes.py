@@ -11,6 +11,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.outputs import ChatResult
 from pydantic import Field
 
+from fusion_graph.settings import OPERATOR_FIELDS, FusionSettings
 from fusion_graph.state import InputState
 
 
@@ -74,3 +75,13 @@ def check_two_turns(out: dict[str, Any]) -> None:
     assert [m.content for m in out["messages"] if isinstance(m, AIMessage)][-1] == "second answer"
     # The same call in the previous turn does not count towards this turn's loop detector.
     assert all(r["breakdown"]["transient_notice"] == 0 for r in out["route_log"])
+
+
+def split_config(**values: Any) -> tuple[FusionSettings, dict[str, Any]]:
+    """Operator settings and a run context from one flat mapping of field values.
+
+    ``cloud_model`` and ``workspace_root`` go to the operator settings (a run may only narrow them).
+    """
+    operator = {k: v for k, v in values.items() if k in OPERATOR_FIELDS}
+    run = {k: v for k, v in values.items() if k not in OPERATOR_FIELDS}
+    return FusionSettings(**operator), run

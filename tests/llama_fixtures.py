@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import pytest
 
-from fusion_graph.testing import (
+from fusion_graph_testing import (
     LlamaServer,
     LlamaServerNotBuilt,
     ensure_llama_server,

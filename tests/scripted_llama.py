@@ -46,7 +46,7 @@ class ScriptedLlama(ChatLlamaServer):
         **kwargs: Any,
     ) -> ChatResult:
         result = await super()._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
-        if "response_format" in kwargs:
+        if "response_format" in kwargs or "response_format" in (kwargs.get("extra_body") or {}):
             return result  # structured (memory) jobs keep the real, grammar-constrained answer
         calls = self.script.pop(0) if self.script else []
         real = result.generations[0].message

@@ -10,7 +10,7 @@ from langchain_core.tools import BaseTool, tool
 
 from fusion_graph import prompts
 from fusion_graph.batch import BatchPlan, Rejected, call_key, plan_batch, prior_call_counts
-from fusion_graph.turn import turn_messages
+from fusion_graph.signals import turn_start
 from tests.fakes import ai_calls, call
 
 
@@ -175,7 +175,7 @@ def test_loop_detector_ignores_other_arguments_and_earlier_turns() -> None:
         *earlier_turn("other"),
         now,
     ]
-    earlier = list(turn_messages(history))[:-1]
+    earlier = history[turn_start(history) + 1 : -1]
     result = plan(now, earlier=earlier, loop_repeat_limit=2)
     assert [c["id"] for c in result.run] == ["now"]
     assert not result.loop_fired

@@ -6,6 +6,8 @@ import dataclasses
 import os
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,9 @@ import pytest
 from pydantic import ValidationError
 
 from fusion_graph import prompts
-from fusion_graph.context import DEFAULTS, ENV_PREFIX, FusionContext, context_fields, ensure_context
+from fusion_graph.context import DEFAULTS, ENV_KEYS, FusionContext, context_fields, ensure_context
 from fusion_graph.graph import build_graph
+from fusion_graph.settings import ContextError, FusionSettings
 from tests.conftest import NetworkBlockedError, is_loopback
 from tests.fakes import scripted, user_input
 
@@ -32,60 +35,90 @@ def test_defaults() -> None:
     assert context.max_tool_calls_per_step == 8
     assert context.loop_repeat_limit == 3
     assert context.max_repair_attempts == 2
-    assert context.cloud_api_key_env == "OPENAI_API_KEY"
-    assert context.local_base_url.endswith("/v1")
     assert context.system_prompt == prompts.SYSTEM_PROMPT
-    assert context.workspace_root == "."
+    assert (context.cloud_model, context.workspace_root) == (None, None), "nothing narrowed"
+    settings = FusionSettings()
+    assert settings.cloud_api_key_env == "OPENAI_API_KEY"
+    assert settings.local_base_url.endswith("/v1")
+    assert settings.workspace_root == "."
 
 
 def test_every_field_defaults_to_its_documented_default() -> None:
     context = FusionContext()
-    assert set(DEFAULTS) == set(FIELD_NAMES)
-    assert {name: getattr(context, name) for name in FIELD_NAMES} == DEFAULTS
+    assert set(DEFAULTS) == set(ENV_KEYS.values())
+    assert {name: getattr(context, name) for name in FIELD_NAMES} == {
+        name: DEFAULTS[ENV_KEYS[name]] for name in FIELD_NAMES
+    }
 
 
 def test_env_names_follow_the_prefix() -> None:
     names = FusionContext().env_names
     assert names["cloud_share"] == "FUSION_CLOUD_SHARE"
     assert set(names) == set(FIELD_NAMES)
-    assert all(env == ENV_PREFIX + field.upper() for field, env in names.items())
+    # The narrowing fields never read the operator's own variables.
+    assert names["cloud_model"] == "FUSION_RUN_CLOUD_MODEL"
+    assert names["workspace_root"] == "FUSION_RUN_WORKSPACE_ROOT"
+
+
+def run_python(code: str, **env: str) -> str:
+    """Output of ``code`` in a fresh interpreter with ``env`` (context defaults are read at import)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return done.stdout.strip() + done.stderr.strip()
+
+
+def test_env_defaults_are_read_at_import_and_shown_in_the_schema() -> None:
+    code = (
+        "from fusion_graph.context import FusionContext; from pydantic import TypeAdapter; "
+        "props = TypeAdapter(FusionContext).json_schema()['properties']; c = FusionContext(); "
+        "print(c.cloud_share, c.mode, c.max_steps, props['cloud_share']['default'], props['mode']['default'])"
+    )
+    shown = run_python(code, FUSION_CLOUD_SHARE="55", FUSION_MODE="local", FUSION_MAX_STEPS="7")
+    assert shown == "55 local 7 55 local"
+
+
+def test_an_invalid_env_default_names_the_variable_and_range() -> None:
+    shown = run_python("import fusion_graph.context", FUSION_CLOUD_SHARE="150")
+    assert "FUSION_CLOUD_SHARE (cloud_share)" in shown and "must be between 0 and 100" in shown
 
 
 @pytest.mark.parametrize(
     ("env", "value", "field", "expected"),
     [
-        ("FUSION_CLOUD_SHARE", "55", "cloud_share", 55),
-        ("FUSION_MODE", "local", "mode", "local"),
-        ("FUSION_MAX_STEPS", "7", "max_steps", 7),
+        ("FUSION_CLOUD_MODEL", "gpt-4o", "cloud_model", "gpt-4o"),
+        ("FUSION_CLOUD_MODELS", '["gpt-4o", "gpt-4.1"]', "cloud_models", ("gpt-4o", "gpt-4.1")),
         ("FUSION_REQUEST_TIMEOUT", "2.5", "request_timeout", 2.5),
+        ("FUSION_LOCAL_SLOTS", "4", "local_slots", 4),
         ("FUSION_WORKSPACE_ROOT", "/srv/ws", "workspace_root", "/srv/ws"),
+        ("FUSION_PRICE_OVERRIDES", '{"m": [1, 2, null]}', "price_overrides", {"m": (1.0, 2.0, None)}),
     ],
 )
-def test_env_fallbacks_are_converted(
+def test_operator_settings_come_from_the_environment(
     monkeypatch: pytest.MonkeyPatch, env: str, value: str, field: str, expected: object
 ) -> None:
     monkeypatch.setenv(env, value)
-    actual = getattr(FusionContext(), field)
+    actual = getattr(FusionSettings(), field)
     assert actual == expected
     assert type(actual) is type(expected)
 
 
-def test_explicit_values_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FUSION_CLOUD_SHARE", "55")
-    assert FusionContext(cloud_share=10).cloud_share == 10
-    assert ensure_context({"cloud_share": 20}).cloud_share == 20
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [("abc", "valid integer"), ("150", "must be between 0 and 100"), ("-1", "must be between 0 and 100")],
-)
-def test_invalid_env_values_are_rejected(monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
-    monkeypatch.setenv("FUSION_CLOUD_SHARE", value)
-    with pytest.raises(ValidationError) as info:
-        FusionContext()
-    assert "cloud_share" in str(info.value)
-    assert message in str(info.value)
+def test_the_cloud_key_is_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-secret-value")
+    settings = FusionSettings()
+    key = settings.api_key()
+    assert key is not None and key.get_secret_value() == "sk-test-secret-value"
+    assert "sk-test-secret-value" not in repr(settings) + str(key)
+    monkeypatch.setenv("FUSION_CLOUD_API_KEY", "sk-direct-value")
+    direct = FusionSettings().api_key()
+    assert direct is not None and direct.get_secret_value() == "sk-direct-value"
+    assert "sk-direct-value" not in repr(FusionSettings())
 
 
 @pytest.mark.parametrize(
@@ -93,20 +126,40 @@ def test_invalid_env_values_are_rejected(monkeypatch: pytest.MonkeyPatch, value:
     [
         ("cloud_share", 150, "must be between 0 and 100, got 150"),
         ("cloud_share", -1, "must be between 0 and 100, got -1"),
+        ("cloud_share", True, "must be a number, got the boolean True"),
         ("mode", "x", "'cloud', 'local' or 'fusion'"),
         ("max_steps", 0, "must be between 1 and 1000"),
         ("hysteresis", 51, "must be between 0 and 50"),
-        ("conversation_max_tokens", 100, "must be at least 256"),
+        ("conversation_max_tokens", 100, "must be between 256 and"),
         ("loop_repeat_limit", 1, "must be between 2 and 100"),
         ("max_tool_calls_per_step", 0, "must be between 1 and 128"),
         ("max_repair_attempts", 11, "must be between 0 and 10"),
-        ("request_timeout", 0, "must be greater than 0"),
-        ("cloud_model", "", "at least 1 character"),
+        ("max_steps", float("inf"), "must be between 1 and 1000"),
     ],
 )
 def test_invalid_values_name_field_and_bound(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ContextError) as info:
+        ensure_context({field: value})
+    text = str(info.value)
+    assert field in text
+    assert message in text
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("request_timeout", 0, "must be greater than 0 and at most 3600 seconds"),
+        ("request_timeout", float("inf"), "must be greater than 0 and at most 3600 seconds"),
+        ("memory_timeout_s", -1, "must be greater than 0"),
+        ("provider_cooldown_s", 1e9, "must be between 0 and 3600"),
+        ("local_price_per_mtok", (-1, -1), "prices must be between 0 and"),
+        ("cloud_model", "", "at least 1 character"),
+        ("local_slots", True, "must be a number, got the boolean True"),
+    ],
+)
+def test_invalid_operator_settings_name_field_and_bound(field: str, value: Any, message: str) -> None:
     with pytest.raises(ValidationError) as info:
-        FusionContext(**{field: value})
+        FusionSettings(**{field: value})
     text = str(info.value)
     assert field in text
     assert message in text
@@ -123,17 +176,64 @@ def test_ensure_context() -> None:
     assert ensure_context(given) is given
     assert ensure_context(None) == FusionContext()
     assert ensure_context({"mode": "local"}).mode == "local"
-    with pytest.raises(ValidationError, match="mode"):
+    with pytest.raises(ContextError, match="mode"):
         ensure_context({"mode": "x"})
 
 
-async def test_graph_run_with_an_invalid_context_raises() -> None:
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        ({"cloud_shar": 40}, "cloud_shar: Unexpected keyword argument"),
+        ("abc", "must be an object of run settings"),
+        ({"cloud_base_url": "http://127.0.0.1:9/v1"}, "cloud_base_url is an operator setting"),
+        ({"cloud_api_key_env": "HOME"}, "cloud_api_key_env is an operator setting"),
+        ({"request_timeout": 5}, "request_timeout is an operator setting"),
+        ({"price_overrides": {}}, "price_overrides is an operator setting"),
+    ],
+    ids=["typo", "not-an-object", "endpoint", "key-variable", "timeout", "prices"],
+)
+def test_unknown_keys_operator_settings_and_wrong_shapes_are_refused(context: Any, message: str) -> None:
+    with pytest.raises(ContextError, match=message):
+        ensure_context(context)
+
+
+def test_a_run_may_narrow_the_workspace_and_pick_an_allowed_model(tmp_path: Path) -> None:
+    inner = tmp_path / "project"
+    inner.mkdir()
+    settings = FusionSettings(workspace_root=str(tmp_path), cloud_models=("gpt-4o",))
+    narrowed = settings.narrow(cloud_model="gpt-4o", workspace_root="project")
+    assert narrowed.workspace_root == str(inner.resolve())
+    assert narrowed.cloud_model == "gpt-4o"
+    assert settings.narrow() is settings
+    with pytest.raises(ContextError, match="lies outside the operator's workspace"):
+        settings.narrow(workspace_root="/etc")
+    with pytest.raises(ContextError, match="lies outside the operator's workspace"):
+        settings.narrow(workspace_root="../")
+    with pytest.raises(ContextError, match=r"cloud_model 'o1-pro' is not allowed .*'gpt-4o-mini', 'gpt-4o'"):
+        settings.narrow(cloud_model="o1-pro")
+
+
+async def test_graph_run_with_an_invalid_context_raises_before_any_model_call() -> None:
     model = scripted("any", ["never"])
     graph = build_graph(cloud_model=model, local_model=model, tools=[])
-    with pytest.raises(ValidationError) as info:
-        # A raw dict, as the LangGraph server passes it: the graph must validate it at run time.
-        await graph.ainvoke(user_input("hi"), context={"cloud_share": 150})  # type: ignore[call-overload]
-    assert "cloud_share" in str(info.value)
+    for context in ({"cloud_share": 150}, {"local_base_url": "http://127.0.0.1:9/v1"}, "abc"):
+        with pytest.raises(ContextError) as info:
+            # A raw value, as the LangGraph server passes it: the graph must validate it at run time.
+            await graph.ainvoke(user_input("hi"), context=context)  # type: ignore[call-overload]
+        assert (
+            "cloud_share" in str(info.value)
+            or "operator setting" in str(info.value)
+            or "object" in str(info.value)
+        )
+    assert model.prompts == []
+
+
+async def test_a_run_cannot_widen_the_workspace(tmp_path: Path) -> None:
+    model = scripted("any", ["never"])
+    settings = FusionSettings(workspace_root=str(tmp_path))
+    graph = build_graph(cloud_model=model, local_model=model, settings=settings)
+    with pytest.raises(ContextError, match="'/etc' lies outside the operator's workspace"):
+        await graph.ainvoke(user_input("hi"), context={"workspace_root": "/etc"})  # type: ignore[call-overload]
     assert model.prompts == []
 
 
@@ -145,20 +245,25 @@ def test_context_fields_match_the_dataclass() -> None:
     assert [row[0] for row in rows] == FIELD_NAMES
     defaults = FusionContext()
     for name, kind, default, description in rows:
-        assert default == getattr(defaults, name) == DEFAULTS[name], name
+        assert default == getattr(defaults, name) == DEFAULTS[ENV_KEYS[name]], name
         assert kind and kind != "?", name
         assert description.strip(), f"{name} has no description"
     kinds = {row[0]: row[1] for row in rows}
     assert kinds["mode"] == "cloud | local | fusion"
     assert kinds["cloud_share"] == "integer"
-    assert kinds["cloud_base_url"] == "string | null"
+    assert kinds["workspace_root"] == "string | null"
 
 
-def test_readme_has_a_row_for_every_field() -> None:
+def test_readme_has_a_row_with_the_scope_of_every_field() -> None:
     text = README.read_text(encoding="utf-8")
     rows = [line for line in text.splitlines() if line.lstrip().startswith("|")]
+    expected = [(name, "run") for name in FIELD_NAMES] + [
+        (name, "operator") for name in FusionSettings.model_fields
+    ]
     missing = [
-        name for name in FIELD_NAMES if not any(re.match(rf"\|\s*`?{name}`?\s*\|", row) for row in rows)
+        f"{name} ({scope})"
+        for name, scope in expected
+        if not any(re.match(rf"\|\s*`{name}`\s*\|\s*{scope}\s*\|", row) for row in rows)
     ]
     assert not missing, f"README.md has no configuration table row for: {', '.join(missing)}"
 
@@ -168,7 +273,7 @@ def test_readme_has_a_row_for_every_field() -> None:
 
 def test_fusion_env_is_cleared_for_each_test() -> None:
     assert not [name for name in os.environ if name.startswith("FUSION_")]
-    assert FusionContext() == FusionContext(**DEFAULTS)
+    assert FusionSettings() == FusionSettings.model_construct()
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,9 @@ from fusion_graph.chain import ChainExhausted, ChainLink, close_chat_model
 from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.pricing import Pricing, unit_prices
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
-from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph.settings import FusionSettings
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+from tests.fakes import split_config
 
 CLOUD_ID, LOCAL_ID = "cloud:gpt-4o-mini", "local:local"
 USER = "please do the task"
@@ -111,17 +113,19 @@ class Rig:
         return out
 
 
-def make_rig(cloud: BaseChatModel, local: BaseChatModel, saver: AsyncSqliteSaver, **context: Any) -> Rig:
-    resolver = ProviderResolver(cloud=cloud, local=local)
+def make_rig(cloud: BaseChatModel, local: BaseChatModel, saver: AsyncSqliteSaver, **config: Any) -> Rig:
+    settings, context = split_config(local_slots=4, **config)
+    resolver = ProviderResolver(cloud=cloud, local=local, settings=settings)
     graph = build_graph(resolver=resolver, tools=[echo], checkpointer=saver)
-    return Rig(graph, resolver, {"local_slots": 4, **context})
+    return Rig(graph, resolver, context)
 
 
 async def checkpointed_once(graph: Graph, config: RunnableConfig, users: list[str]) -> dict[str, Any]:
     """Assert the checkpointed thread holds every completed step exactly once; return its values."""
     values: dict[str, Any] = (await graph.aget_state(config)).values
     messages = values["messages"]
-    log = [r for r in values.get("route_log", []) if r["kind"] != "memory"]  # memory jobs answer no turn
+    # Memory jobs answer no turn; an inference no provider answered has a record but no message.
+    log = [r for r in values.get("route_log", []) if r["kind"] != "memory" and r["provider"] is not None]
     ids = [m.id for m in messages]
     assert None not in ids and len(set(ids)) == len(ids), f"duplicated message ids: {ids}"
     answers = [m for m in messages if isinstance(m, AIMessage)]
@@ -238,12 +242,22 @@ async def test_all_providers_down_raises_then_resumes_from_the_checkpoint(
     ]
     assert raised.value.retry_in_s is not None and 0 < raised.value.retry_in_s <= 0.5
 
-    # What completed before the outage is checkpointed; the failed step is next.
+    # What completed before the outage is checkpointed, and so is the failed inference's record;
+    # resuming retries that inference.
     snapshot = await rig.graph.aget_state(rig.config)
-    assert snapshot.next == ("local",)
+    assert snapshot.next == ("unavailable",)
     values = await checkpointed_once(rig.graph, rig.config, [USER])
     assert [type(m).__name__ for m in values["messages"]] == ["HumanMessage", "AIMessage", "ToolMessage"]
-    assert [(r["kind"], r["leg"]) for r in values["route_log"]] == [("plan", "cloud")]
+    assert [(r["kind"], r["leg"], r["provider"]) for r in values["route_log"]] == [
+        ("plan", "cloud", CLOUD_ID),
+        ("step", "local", None),
+    ]
+    failed = values["route_log"][1]
+    assert failed["extra"]["outcome"] == "exhausted"
+    assert [(a["provider"], a["kind"]) for a in failed["attempts"]] == [
+        (LOCAL_ID, "server_error"),
+        (CLOUD_ID, "server_error"),
+    ]
 
     cloud.script(replies(Reply(content="cloud is not needed")))
     local.script(replies(calls("after-outage"), Reply(content="recovered")))
@@ -253,7 +267,13 @@ async def test_all_providers_down_raises_then_resumes_from_the_checkpoint(
     )
     out = await rig.turn(None)  # resume the interrupted turn from its checkpoint
 
-    assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "local"), ("step", "local", "local")]
+    assert legs(out) == [
+        ("plan", "cloud", "cloud"),
+        ("step", "local", "local"),  # the failed attempt, recorded
+        ("step", "local", "local"),
+        ("step", "local", "local"),
+    ]
+    assert [r["provider"] for r in out["route_log"]] == [CLOUD_ID, None, LOCAL_ID, LOCAL_ID]
     assert out["messages"][-1].content == "recovered"
     assert len(cloud.requests) == 2, "the resumed turn re-ran the plan or asked the cloud"
     assert chain.health(LOCAL_ID).state(time.monotonic()) == "healthy"
@@ -353,30 +373,30 @@ def client_closed(link: ChainLink) -> bool:
 
 
 @pytest.fixture
-def default_models(cloud: FakeOpenAI, local: FakeOpenAI, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Context for default-built models (key from the environment) pointed at the fakes."""
+def default_models(cloud: FakeOpenAI, local: FakeOpenAI, monkeypatch: pytest.MonkeyPatch) -> FusionSettings:
+    """Operator settings for default-built models (key from the environment) pointed at the fakes."""
     monkeypatch.setenv("OPENAI_API_KEY", "test-key")
     cloud.script(lambda body: calls(f"plan-{len(cloud.requests)}"))
     local.script(lambda body: calls("step") if body["messages"][-1]["content"] != "step" else Reply("done"))
-    return {
-        "cloud_model": "gpt-4o-mini",
-        "cloud_base_url": cloud.base_url,
-        "local_base_url": local.base_url,
-        "local_slots": 4,
-        "request_timeout": 10.0,
-    }
+    return FusionSettings(
+        cloud_model="gpt-4o-mini",
+        cloud_models=("gpt-4o",),
+        cloud_base_url=cloud.base_url,
+        local_base_url=local.base_url,
+        local_slots=4,
+        request_timeout=10.0,
+    )
 
 
-@pytest.mark.parametrize(
-    "swap", [{"cloud_model": "gpt-4o"}, {"override_provider": CLOUD_ID}], ids=["cloud-model", "override"]
-)
 async def test_context_swap_keeps_the_local_provider_and_close_tears_down_each_once(
-    local: FakeOpenAI, saver: AsyncSqliteSaver, default_models: dict[str, Any], swap: dict[str, str]
+    local: FakeOpenAI, saver: AsyncSqliteSaver, default_models: FusionSettings
 ) -> None:
-    resolver = ProviderResolver()
+    swap = {"cloud_model": "gpt-4o"}  # a run may pick another model the operator allowed
+    resolver = ProviderResolver(settings=default_models)
     graph: Graph = build_graph(resolver=resolver, tools=[echo], checkpointer=saver)
     config: RunnableConfig = {"configurable": {"thread_id": "swap"}}
-    first, second = default_models, default_models | swap
+    first: dict[str, Any] = {}
+    second: dict[str, Any] = swap
     await graph.ainvoke({"messages": [("user", "turn one")]}, config, context=first)
     asked_before = len(local.requests)
     out = await graph.ainvoke({"messages": [("user", "turn two")]}, config, context=second)
@@ -417,16 +437,16 @@ async def test_context_swap_keeps_the_local_provider_and_close_tears_down_each_o
 
 
 async def test_the_graph_refuses_to_run_after_its_resolver_closed(
-    local: FakeOpenAI, saver: AsyncSqliteSaver, default_models: dict[str, Any]
+    local: FakeOpenAI, saver: AsyncSqliteSaver, default_models: FusionSettings
 ) -> None:
-    resolver = ProviderResolver()
+    resolver = ProviderResolver(settings=default_models)
     graph: Graph = build_graph(resolver=resolver, tools=[echo], checkpointer=saver)
     config: RunnableConfig = {"configurable": {"thread_id": "closed"}}
-    await graph.ainvoke({"messages": [("user", "before close")]}, config, context=default_models)
+    await graph.ainvoke({"messages": [("user", "before close")]}, config)
     await resolver.aclose()
     asked = len(local.requests)
     try:
-        await graph.ainvoke({"messages": [("user", "after close")]}, config, context=default_models)
+        await graph.ainvoke({"messages": [("user", "after close")]}, config)
     except Exception as error:  # any loud failure will do; a silent success will not
         assert "close" in str(error), f"failed, but not saying the providers are closed: {error!r}"
     else:

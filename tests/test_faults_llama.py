@@ -20,8 +20,9 @@ from langchain_core.tools import tool
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 from fusion_graph import FusionContext, ProviderResolver, build_graph
-from fusion_graph.testing import LlamaServer, free_port
-from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph.settings import FusionSettings
+from fusion_graph_testing import LlamaServer, free_port
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.scripted_llama import Script, scripted_llama
 from tests.test_faults import (
     CLOUD_ID,
@@ -64,11 +65,12 @@ async def test_killed_llama_server_falls_over_to_cloud_and_recovers_after_restar
     script: Script = [[("stop_local_server", {})], [("echo", {"text": "local again"})], []]
     local = scripted_llama(server.openai_base_url, script, max_retries=0, timeout=10)
     cloud_script = [calls("plan 1"), calls("rescued"), Reply(content="turn one done"), calls("plan 2")]
-    context: dict[str, Any] = {"provider_allowed_failures": 0, "provider_cooldown_s": 1.5, "local_slots": 2}
+    settings = FusionSettings(provider_allowed_failures=0, provider_cooldown_s=1.5, local_slots=2)
+    context: dict[str, Any] = {}
     config: RunnableConfig = {"configurable": {"thread_id": "killed"}}
     with FakeOpenAI(replies(*cloud_script)) as cloud:
         async with AsyncSqliteSaver.from_conn_string(str(tmp_path / "cp.sqlite")) as saver:
-            resolver = ProviderResolver(cloud=cloud_model(cloud), local=local)
+            resolver = ProviderResolver(cloud=cloud_model(cloud), local=local, settings=settings)
             graph: Graph = build_graph(resolver=resolver, tools=[echo, stop_local_server], checkpointer=saver)
             health = (await resolver.chain(FusionContext(**context))).health(LOCAL_ID)
 

@@ -121,7 +121,8 @@ async def test_malformed_call_from_local_is_repaired_locally_even_when_score_say
     assert (repair["score"], repair["threshold"], repair["breakdown"]) == (None, None, None)
     assert "kept on the local leg" in repair["reason"]
     assert (len(cloud.prompts), len(local.prompts)) == (1, 2)
-    assert "Unknown tool 'nope'" in str(local.prompts[1][-1].content)
+    rejected = [m for m in local.prompts[1] if isinstance(m, ToolMessage) and m.tool_call_id == "l2"]
+    assert len(rejected) == 1 and "Unknown tool 'nope'" in str(rejected[0].content)
 
 
 async def test_malformed_call_from_cloud_is_repaired_on_cloud_even_when_score_says_local() -> None:
@@ -283,15 +284,29 @@ async def test_custom_stream_events_carry_leg_and_score_per_inference() -> None:
         else:
             final = chunk
 
-    assert [e["event"] for e in events] == ["fusion_route"] * 3
-    assert [(e["kind"], e["leg"]) for e in events] == [
+    assert [e["event"] for e in events] == ["fusion_route"] * 6
+    # Each inference announces its decision before the call and its outcome after it.
+    assert [e["phase"] for e in events] == ["decision", "outcome"] * 3
+    decisions, outcomes = events[0::2], events[1::2]
+    assert [(e["kind"], e["routed_leg"]) for e in decisions] == [
         ("plan", "cloud"),
         ("step", "local"),
         ("repair", "local"),
     ]
-    assert isinstance(events[0]["score"], int) and isinstance(events[1]["score"], int)
-    assert events[2]["score"] is None
-    assert [{k: v for k, v in e.items() if k != "event"} for e in events] == final["route_log"]
+    assert [(e["kind"], e["leg"]) for e in outcomes] == [
+        ("plan", "cloud"),
+        ("step", "local"),
+        ("repair", "local"),
+    ]
+    assert isinstance(outcomes[0]["score"], int) and isinstance(outcomes[1]["score"], int)
+    assert outcomes[2]["score"] is None
+    for decision, outcome in zip(decisions, outcomes, strict=True):
+        assert {k: decision[k] for k in ("turn", "step", "score", "threshold", "reason")} == {
+            k: outcome[k] for k in ("turn", "step", "score", "threshold", "reason")
+        }
+    assert [{k: v for k, v in e.items() if k not in ("event", "phase")} for e in outcomes] == final[
+        "route_log"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fusion_graph.testing import (
+from fusion_graph_testing import (
     LlamaServer,
     LlamaServerError,
     LlamaServerNotBuilt,

@@ -22,8 +22,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 from fusion_graph import build_graph, make_workspace_tools
 from fusion_graph.context import FusionContext
 from fusion_graph.llama import ChatLlamaServer
-from fusion_graph.testing import LlamaServer
-from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph_testing import LlamaServer
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import user_input
 from tests.scripted_llama import Recorder, Script, ScriptedLlama, scripted_llama
 

@@ -18,7 +18,8 @@ from langgraph.store.sqlite.aio import AsyncSqliteStore
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.memory import MemoryJob
-from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph.settings import FusionSettings
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 NS = memory.namespace("fusion", "anonymous")
@@ -241,8 +242,9 @@ async def test_local_memory_job_uses_the_reflection_slot_and_a_json_schema() -> 
             tools=TOOLS,
             store=InMemoryStore(),
             memory_jobs=[job],
+            settings=FusionSettings(local_slots=4),
         )
-        out = await graph.ainvoke(user_input("go"), context=FusionContext(local_slots=4))
+        out = await graph.ainvoke(user_input("go"), context=FusionContext())
     step_body, memory_body = local_fake.requests
     conversation_slot = out["route_log"][1]["slot"]
     assert step_body["id_slot"] == conversation_slot and conversation_slot != 3

@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field
 from fusion_graph import build_graph, make_workspace_tools, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.memory import MemoryJob
-from fusion_graph.testing import LlamaServer
-from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph_testing import LlamaServer
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import user_input
 from tests.llama_fixtures import N_SLOTS
 from tests.scripted_llama import Recorder, Script, scripted_llama

@@ -15,7 +15,8 @@ from blockbuster import blockbuster_ctx
 
 from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
-from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph.settings import FusionSettings
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import user_input
 
 
@@ -27,15 +28,15 @@ async def test_default_models_and_tools_never_block(tmp_path: Path, monkeypatch:
         content="", tool_calls=[("replace_in_file", {"path": "a.txt", "old": "alpha", "new": "beta"})]
     )
     with FakeOpenAI([plan]) as cloud, FakeOpenAI([edit, Reply(content="done")]) as local:
-        graph = build_graph()
-        context = FusionContext(
+        settings = FusionSettings(
             cloud_base_url=cloud.base_url,
             local_base_url=local.base_url,
             local_slots=4,
             workspace_root=str(tmp_path),
         )
+        graph = build_graph(settings=settings)
         with blockbuster_ctx():
-            result = await graph.ainvoke(user_input("edit a.txt"), context=context)
+            result = await graph.ainvoke(user_input("edit a.txt"), context=FusionContext())
     assert [(r["kind"], r["leg"]) for r in result["route_log"]] == [
         ("plan", "cloud"),
         ("step", "local"),

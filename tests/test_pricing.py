@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,12 +12,14 @@ from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 
 from fusion_graph.chain import ChainLink, ProviderChain
+from fusion_graph.context import FusionContext
 from fusion_graph.pricing import (
     FREE,
     LegTotals,
     Pricing,
     TokenPrices,
     answering_leg,
+    catalog_provider_ids,
     chain_totals,
     default_pricing,
     price,
@@ -27,7 +29,9 @@ from fusion_graph.pricing import (
 )
 from fusion_graph.providers import Provider
 from fusion_graph.records import make_record
+from fusion_graph.resolver import ProviderResolver
 from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.settings import FusionSettings
 from fusion_graph.state import RouteRecord
 
 MINI = Pricing.catalog("gpt-4o-mini", provider_id="openai")
@@ -227,3 +231,132 @@ def test_answering_leg_fallbacks() -> None:
         record("local", None, None),
     ]
     assert [answering_leg(r, leg_of) for r in rows] == ["cloud", "cloud", "cloud", "local"]
+
+
+# Pricing by link, not by name -------------------------------------------------
+
+NAMED_LIKE_CLOUD = {"gpt-4o-mini": TokenPrices(5.0, 10.0)}
+
+
+def test_a_model_name_override_never_prices_a_local_link() -> None:
+    local = default_pricing(
+        provider_id="local:gpt-4o-mini",
+        leg="local",
+        model_ref="gpt-4o-mini",
+        overrides=NAMED_LIKE_CLOUD,
+        local=POWER,
+    )
+    assert local == Pricing.flat(POWER)
+    cloud = default_pricing(
+        provider_id="cloud:gpt-4o-mini", leg="cloud", model_ref="gpt-4o-mini", overrides=NAMED_LIKE_CLOUD
+    )
+    assert cloud == Pricing.flat(TokenPrices(5.0, 10.0))
+
+
+def test_a_provider_id_override_prices_a_local_link() -> None:
+    overrides = {"local:gpt-4o-mini": TokenPrices(0.5, 0.7), **NAMED_LIKE_CLOUD}
+    local = default_pricing(
+        provider_id="local:gpt-4o-mini",
+        leg="local",
+        model_ref="gpt-4o-mini",
+        overrides=overrides,
+        local=POWER,
+    )
+    assert local == Pricing.flat(TokenPrices(0.5, 0.7))
+
+
+def test_price_like_looks_a_cloud_model_up_at_that_catalogue_provider() -> None:
+    gateway = "http://127.0.0.1:9/v1"
+    like = default_pricing(
+        provider_id="cloud:gpt-4o-mini",
+        leg="cloud",
+        model_ref="gpt-4o-mini",
+        api_url=gateway,
+        price_like="openai",
+    )
+    assert like == Pricing.catalog("gpt-4o-mini", provider_id="openai", api_url=gateway)
+    assert price(like, 1000, 400, 10) == price(MINI, 1000, 400, 10) is not None
+    unknown = default_pricing(
+        provider_id="cloud:gpt-4o-mini", leg="cloud", model_ref="gpt-4o-mini", api_url=gateway
+    )
+    assert price(unknown, 1000, 400, 10) is None, "without price_like a gateway stays unpriced"
+    named = default_pricing(
+        provider_id="cloud:gpt-4o-mini",
+        leg="cloud",
+        model_ref="gpt-4o-mini",
+        overrides=NAMED_LIKE_CLOUD,
+        price_like="openai",
+    )
+    assert named == Pricing.flat(TokenPrices(5.0, 10.0)), "an override still beats the catalogue"
+    local = default_pricing(provider_id="local:q", leg="local", model_ref="gpt-4o-mini", price_like="openai")
+    assert local == Pricing.flat(FREE), "price_like is for cloud links only"
+
+
+ChainFor = Callable[[FusionSettings], Awaitable[ProviderChain]]
+
+
+@pytest.fixture
+async def chain_for(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ChainFor]:
+    """Builds the chain a graph with these operator settings would run on (closed afterwards)."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-pricing")
+    made: list[ProviderResolver] = []
+
+    async def chain(settings: FusionSettings) -> ProviderChain:
+        made.append(ProviderResolver(settings=settings))
+        return await made[-1].chain(FusionContext())
+
+    yield chain
+    for resolver in made:
+        await resolver.aclose()
+
+
+def same_name(**settings: Any) -> FusionSettings:
+    """Both servers call their model gpt-4o-mini: the cost-attribution trap."""
+    return FusionSettings(
+        local_model="gpt-4o-mini", local_slots=2, local_price_per_mtok=(0.02, 0.05), **settings
+    )
+
+
+async def test_the_resolver_prices_each_link_by_its_leg(chain_for: ChainFor) -> None:
+    chain = await chain_for(same_name(price_overrides={"gpt-4o-mini": (5.0, 10.0, None)}))
+    pricing = {link.id: link.pricing for link in chain.links}
+    assert pricing == {
+        "cloud:gpt-4o-mini": Pricing.flat(TokenPrices(5.0, 10.0)),
+        "local:gpt-4o-mini": Pricing.flat(TokenPrices(0.02, 0.05, 0.02)),
+    }
+    by_id = await chain_for(same_name(price_overrides={"local:gpt-4o-mini": (1.0, 2.0, 0.5)}))
+    assert by_id.link("local:gpt-4o-mini").pricing == Pricing.flat(TokenPrices(1.0, 2.0, 0.5))
+    assert by_id.link("cloud:gpt-4o-mini").pricing == Pricing.catalog("gpt-4o-mini")
+
+
+async def test_the_resolver_prices_a_gateway_like_its_catalogue_provider(chain_for: ChainFor) -> None:
+    gateway = "http://127.0.0.1:9/v1"
+    plain = await chain_for(same_name(cloud_base_url=gateway))
+    like = await chain_for(same_name(cloud_base_url=gateway, cloud_price_like="openai"))
+    assert price(plain.link("cloud:gpt-4o-mini").pricing, 1000, 0, 10) is None
+    assert price(like.link("cloud:gpt-4o-mini").pricing, 1000, 0, 10) == price(MINI, 1000, 0, 10)
+    assert plain.links[1].pricing == like.links[1].pricing, "the local price does not depend on it"
+
+
+async def test_an_unknown_price_like_names_the_known_providers(chain_for: ChainFor) -> None:
+    with pytest.raises(
+        ValueError, match=r"cloud_price_like 'opnai' is not a genai-prices provider; known: .*openai"
+    ):
+        await chain_for(same_name(cloud_price_like="opnai"))
+    assert "openai" in catalog_provider_ids() and "anthropic" in catalog_provider_ids()
+
+
+def test_cloud_price_like_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert FusionSettings().cloud_price_like is None
+    monkeypatch.setenv("FUSION_CLOUD_PRICE_LIKE", "openai")
+    assert FusionSettings().cloud_price_like == "openai"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"local_price_per_mtok": (-1, -1)}, {"price_overrides": {"x": (float("inf"), 1.0, None)}}],
+    ids=["negative", "infinite"],
+)
+def test_prices_must_be_finite_and_not_negative(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="prices must be between 0 and"):
+        FusionSettings(**bad)

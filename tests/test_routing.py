@@ -15,8 +15,10 @@ from fusion_graph.routing import (
     Mode,
     StepScore,
     StepSignals,
+    check_score_quantiles,
     cloud_threshold,
     decide_leg,
+    hysteresis_band,
     score_step,
 )
 
@@ -136,7 +138,7 @@ def test_score_has_no_prompt_cache_input() -> None:
 
 def run_legs(
     scores: Sequence[int], *, start: Leg, cloud_share: int, hysteresis: int = 10
-) -> tuple[list[Leg], list[int | None]]:
+) -> tuple[list[Leg], list[float | None]]:
     """Feed continuation scores through ``decide_leg`` the way a turn does."""
     leg, legs, thresholds = start, [], []
     for step, value in enumerate(scores, start=1):
@@ -170,14 +172,36 @@ def test_without_hysteresis_the_leg_follows_the_threshold() -> None:
     assert legs == ["local", "cloud", "local", "cloud"]
 
 
-def test_thresholds_are_clamped_to_0_and_100() -> None:
-    # cloud_share=5 -> T=95: T+h=105 is clamped to 100.
-    legs, thresholds = run_legs([99, 100, 85, 84], start="local", cloud_share=5)
+def test_the_band_narrows_near_the_ends_of_the_scale() -> None:
+    # cloud_share=5 -> T=95: h' = min(10, 47, 2) = 2, so local escalates at 97 and cloud stays down to 93.
+    legs, thresholds = run_legs([96, 97, 93, 92], start="local", cloud_share=5)
     assert legs == ["local", "cloud", "cloud", "local"]
-    assert thresholds == [100, 100, 85, 85]
-    # cloud_share=95 -> T=5: T-h=-5 is clamped to 0, so cloud is never left.
-    legs, thresholds = run_legs([0], start="cloud", cloud_share=95)
-    assert (legs, thresholds) == (["cloud"], [0])
+    assert thresholds == [97, 97, 93, 93]
+
+
+@pytest.mark.parametrize("cloud_share", [90, 95, 99])
+def test_no_cliff_a_score_0_step_leaves_cloud_below_share_100(cloud_share: int) -> None:
+    # The old rule clamped T - h at 0 from cloud_share 90 up, so after the plan nothing ever left cloud.
+    legs, thresholds = run_legs([0, 0], start="cloud", cloud_share=cloud_share)
+    assert legs == ["local", "local"]
+    base = cloud_threshold(cloud_share)
+    assert thresholds[0] == base - min(10, base // 2) >= 1
+
+
+@pytest.mark.parametrize("cloud_share", range(1, 100))
+@pytest.mark.parametrize("hysteresis", [0, 10, 50])
+def test_band_bars_stay_inside_the_scale(cloud_share: int, hysteresis: int) -> None:
+    base = cloud_threshold(cloud_share)
+    escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
+    assert 1 <= stay_down_to <= base <= escalate_at <= 99
+    assert escalate_at - base == base - stay_down_to <= hysteresis
+    assert isinstance(escalate_at, int) and isinstance(stay_down_to, int)
+
+
+def test_mid_scale_band_is_the_full_hysteresis() -> None:
+    assert hysteresis_band(70, 10) == (80, 60)
+    assert hysteresis_band(20, 10) == (30, 10)
+    assert hysteresis_band(12.34, 10) == (18.34, 6.34)  # calibrated T: h' = 12.34 // 2 = 6
 
 
 @pytest.mark.parametrize("cloud_share", [1, 30, 99, 100])
@@ -271,3 +295,99 @@ def test_reasons_name_score_and_threshold(current: Leg, value: int) -> None:
 
 def test_cloud_threshold_is_100_minus_cloud_share() -> None:
     assert [cloud_threshold(s) for s in (0, 30, 100)] == [100, 70, 0]
+
+
+# --------------------------------------------------------------------------- calibrated dial
+
+
+def table(base_for_share: dict[int, float], default: float = 50.0) -> tuple[float, ...]:
+    """A non-decreasing table with entry ``100 - share`` set for each given share."""
+    values = [default] * 101
+    for share, base in base_for_share.items():
+        values[100 - share] = base
+    return tuple(values)
+
+
+def points_of(total: float) -> StepScore:
+    """A score whose exact points are ``total`` (all in context pressure)."""
+    return StepScore(
+        score=int(total + 0.5), context_pressure=total, turn_depth=0, transient_notice=0, tail_growth=0
+    )
+
+
+def test_points_are_the_unrounded_sum_of_the_terms() -> None:
+    result = score_step(sig(prompt_tokens=1, conversation_max_tokens=3, step=1))
+    assert result.points == round(13.33 + 2.5, 2) == 15.83
+    assert result.score == 16
+
+
+def test_calibrated_table_sets_the_threshold_and_compares_points() -> None:
+    quantiles = [float(k) / 10 for k in range(101)]  # entry k = k / 10 points
+    # cloud_share=30 -> entry 70 = 7.0; h' = min(10, 3, 46) = 3: escalate at 10.0, stay down to 4.0.
+    up = decide_leg(
+        mode="fusion", step=2, current_leg="local", score=points_of(9.99), score_quantiles=quantiles
+    )
+    assert (up.leg, up.threshold) == ("local", 10.0)
+    up = decide_leg(
+        mode="fusion", step=2, current_leg="local", score=points_of(10.0), score_quantiles=quantiles
+    )
+    assert (up.leg, up.threshold) == ("cloud", 10.0)
+    assert "calibrated T=7" in up.reason and "h=3" in up.reason
+    # 3.96 points round to score 4, but the calibrated dial compares points: below 4.0, back to local.
+    down = decide_leg(
+        mode="fusion", step=2, current_leg="cloud", score=points_of(3.96), score_quantiles=quantiles
+    )
+    assert down.score is not None and down.score.score == 4
+    assert (down.leg, down.threshold) == ("local", 4.0)
+    assert "3.96 points" in down.reason
+
+
+def test_without_a_table_the_design_rule_is_unchanged() -> None:
+    plain = decide_leg(mode="fusion", step=2, current_leg="local", score=score_of(80), cloud_share=30)
+    explicit = decide_leg(
+        mode="fusion", step=2, current_leg="local", score=score_of(80), cloud_share=30, score_quantiles=None
+    )
+    assert plain == explicit
+    assert (plain.leg, plain.threshold) == ("cloud", 80)
+
+
+@pytest.mark.parametrize("cloud_share", [0, 100])
+def test_the_ends_of_the_dial_ignore_the_table(cloud_share: int) -> None:
+    quantiles = table({}, default=50.0)
+    decision = decide_leg(
+        mode="fusion",
+        step=3,
+        current_leg="local",
+        score=points_of(0.0 if cloud_share else 100.0),
+        cloud_share=cloud_share,
+        score_quantiles=quantiles,
+    )
+    assert decision.leg == ("cloud" if cloud_share else "local")
+    assert decision.threshold is None
+
+
+def test_plan_step_ignores_the_table() -> None:
+    decision = decide_leg(
+        mode="fusion", step=0, current_leg=None, score=None, cloud_share=1, score_quantiles=table({})
+    )
+    assert decision.leg == "cloud"
+
+
+@pytest.mark.parametrize(
+    ("quantiles", "message"),
+    [
+        pytest.param([1.0] * 100, "101 entries", id="too-short"),
+        pytest.param([1.0] * 100 + [101.0], "between 0 and 100", id="above-100"),
+        pytest.param([-1.0] + [1.0] * 100, "between 0 and 100", id="negative"),
+        pytest.param([2.0, 1.0] + [3.0] * 99, "non-decreasing", id="decreasing"),
+    ],
+)
+def test_invalid_tables_are_refused_with_the_reason(quantiles: list[float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_score_quantiles(quantiles)
+    with pytest.raises(ValueError, match=message):
+        decide_leg(mode="fusion", step=1, current_leg="local", score=score_of(0), score_quantiles=quantiles)
+
+
+def test_a_valid_table_is_returned_as_floats() -> None:
+    assert check_score_quantiles(range(101)) == tuple(float(k) for k in range(101))

@@ -11,8 +11,8 @@ from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.llama import ChatLlamaServer, server_root
 from fusion_graph.slots import SlotPool, slot_body
-from fusion_graph.testing.fake_openai import FakeOpenAI, Reply
-from fusion_graph.testing.llama_server import free_port
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph_testing.llama_server import free_port
 from tests.fakes import user_input
 
 

@@ -10,7 +10,10 @@ from langchain_core.tools import BaseTool
 
 from fusion_graph.context import FusionContext
 from fusion_graph.graph import build_graph
+from fusion_graph.settings import FusionSettings
 from fusion_graph.tools import (
+    MAX_LIST_ENTRIES,
+    MAX_READ_CHARS,
     TOOLS,
     WorkspaceError,
     _runtime_root,
@@ -61,9 +64,37 @@ async def test_read_rejects_a_bad_line_range(tools: dict[str, BaseTool], start: 
 
 
 async def test_read_rejects_directories_and_missing_files(tools: dict[str, BaseTool]) -> None:
-    for path in ("src", "missing.txt"):
-        with pytest.raises(WorkspaceError, match="is not a file"):
+    for path in ("src", "missing.txt", ".", "missing/app.py"):
+        with pytest.raises(WorkspaceError, match=r"is not a (file|directory) in the workspace"):
             await tools["read_file"].ainvoke({"path": path})
+    with pytest.raises(WorkspaceError, match="it is a directory; use list_dir"):
+        await tools["read_file"].ainvoke({"path": "src"})
+
+
+async def test_read_stops_at_the_output_limit_and_says_where_to_go_on(
+    tools: dict[str, BaseTool], workspace: Path
+) -> None:
+    line = "y" * 99
+    (workspace / "long.txt").write_text(f"{line}\n" * 2000, encoding="utf-8")
+    text = await tools["read_file"].ainvoke({"path": "long.txt"})
+    *shown, note = text.splitlines()
+    assert len(text) <= MAX_READ_CHARS + 200
+    last = len(shown)
+    assert shown[-1] == f"{last:>6}  {line}"
+    assert f"output limit reached before line {last + 1}; read on with start_line={last + 1}" in note
+    assert f"{(2000 - last) * 100} bytes follow" in note
+    rest = await tools["read_file"].ainvoke(
+        {"path": "long.txt", "start_line": last + 1, "end_line": last + 1}
+    )
+    assert rest == f"{last + 1:>6}  {line}"
+
+
+async def test_read_cuts_a_line_longer_than_the_limit(tools: dict[str, BaseTool], workspace: Path) -> None:
+    (workspace / "wide.txt").write_text("z" * (3 * MAX_READ_CHARS) + "\nnext\n", encoding="utf-8")
+    first, note = (await tools["read_file"].ainvoke({"path": "wide.txt"})).splitlines()
+    assert first == f"{1:>6}  " + "z" * (MAX_READ_CHARS - 8)
+    assert "line 1 was cut; read on with start_line=2; 5 bytes follow" in note
+    assert await tools["read_file"].ainvoke({"path": "wide.txt", "start_line": 2}) == "     2  next"
 
 
 # --------------------------------------------------------------------------- list
@@ -81,6 +112,19 @@ async def test_list_puts_directories_first(tools: dict[str, BaseTool], workspace
 async def test_list_rejects_files(tools: dict[str, BaseTool]) -> None:
     with pytest.raises(WorkspaceError, match="is not a directory"):
         await tools["list_dir"].ainvoke({"path": "notes.txt"})
+
+
+async def test_list_is_bounded(tools: dict[str, BaseTool], workspace: Path) -> None:
+    many = workspace / "many"
+    many.mkdir()
+    (many / "zz_dir").mkdir()
+    for i in range(MAX_LIST_ENTRIES + 2):
+        (many / f"f{i:04}").touch()
+    lines = (await tools["list_dir"].ainvoke({"path": "many"})).splitlines()
+    assert lines[0] == "zz_dir/"
+    assert lines[1:3] == ["f0000", "f0001"]
+    assert len(lines) == MAX_LIST_ENTRIES + 1
+    assert lines[-1] == "... (3 more; list a subdirectory to narrow it down)"
 
 
 # --------------------------------------------------------------------------- replace
@@ -143,28 +187,36 @@ async def test_paths_outside_the_workspace_are_refused(
         await tools["replace_in_file"].ainvoke({"path": path, "old": "secret", "new": "x"})
 
 
-async def test_symlink_leading_outside_is_refused(
+async def test_symlinks_are_refused_even_inside_the_workspace(
     tools: dict[str, BaseTool], workspace: Path, tmp_path: Path
 ) -> None:
     (workspace / "link.txt").symlink_to(tmp_path / "outside.txt")
     (workspace / "linkdir").symlink_to(tmp_path, target_is_directory=True)
-    with pytest.raises(WorkspaceError, match="leaves the workspace"):
-        await tools["read_file"].ainvoke({"path": "link.txt"})
-    with pytest.raises(WorkspaceError, match="leaves the workspace"):
-        await tools["replace_in_file"].ainvoke({"path": "link.txt", "old": "secret", "new": "leaked"})
-    with pytest.raises(WorkspaceError, match="leaves the workspace"):
+    (workspace / "alias.py").symlink_to(workspace / "src" / "app.py")
+    for path in ("link.txt", "linkdir/outside.txt", "alias.py"):
+        with pytest.raises(WorkspaceError, match="is a symlink; the workspace tools refuse symlinks"):
+            await tools["read_file"].ainvoke({"path": path})
+        with pytest.raises(WorkspaceError, match="is a symlink"):
+            await tools["replace_in_file"].ainvoke({"path": path, "old": "secret", "new": "leaked"})
+    with pytest.raises(WorkspaceError, match="'linkdir' is a symlink"):
         await tools["list_dir"].ainvoke({"path": "linkdir"})
     assert (tmp_path / "outside.txt").read_text(encoding="utf-8") == "secret\n"
+    assert (workspace / "src" / "app.py").read_text(encoding="utf-8") == "x = 1\ny = 1\n"
 
 
-async def test_symlink_inside_the_workspace_is_allowed(tools: dict[str, BaseTool], workspace: Path) -> None:
-    (workspace / "alias.py").symlink_to(workspace / "src" / "app.py")
-    assert await tools["read_file"].ainvoke({"path": "alias.py", "end_line": 1}) == "     1  x = 1"
+async def test_list_marks_symlinks_without_following_them(
+    tools: dict[str, BaseTool], workspace: Path
+) -> None:
+    (workspace / "linkdir").symlink_to(workspace / "src", target_is_directory=True)
+    assert (await tools["list_dir"].ainvoke({})).splitlines() == ["src/", "linkdir@", "notes.txt"]
 
 
-def test_resolve_in_workspace(workspace: Path) -> None:
+def test_resolve_in_workspace(workspace: Path, tmp_path: Path) -> None:
     assert resolve_in_workspace(workspace, ".") == workspace.resolve()
     assert resolve_in_workspace(workspace, "src/../notes.txt") == (workspace / "notes.txt").resolve()
+    (workspace / "out").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(WorkspaceError, match="leaves the workspace"):
+        resolve_in_workspace(workspace, "out/outside.txt")
 
 
 # --------------------------------------------------------------------------- the run's workspace root
@@ -175,7 +227,7 @@ async def test_tools_without_a_root_outside_a_graph_raise_a_clear_error() -> Non
         with pytest.raises(WorkspaceError, match=r"no workspace root.*make_workspace_tools\(root=\.\.\.\)"):
             await tool.ainvoke({"path": ".", "old": "a", "new": "b"})
     with pytest.raises(WorkspaceError, match="no workspace root"):
-        _runtime_root()
+        _runtime_root(None)
 
 
 async def test_tools_without_a_root_use_the_runs_workspace_root(workspace: Path) -> None:
@@ -189,7 +241,9 @@ async def test_tools_without_a_root_use_the_runs_workspace_root(workspace: Path)
             "done",
         ],
     )
-    graph = build_graph(cloud_model=model, local_model=model)
+    # The operator allows the parent directory; the run narrows it to the workspace.
+    settings = FusionSettings(workspace_root=str(workspace.parent))
+    graph = build_graph(cloud_model=model, local_model=model, settings=settings)
     out = await graph.ainvoke(
         user_input("look around"), context=FusionContext(mode="local", workspace_root=str(workspace))
     )

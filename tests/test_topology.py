@@ -22,18 +22,27 @@ def test_nodes_and_edges() -> None:
         "local",
         "cloud",
         "tools",
+        "route",
         "repair",
         "step_limit",
         "give_up",
+        "unavailable",
         "memory",
         "__end__",
     }
     edges = {(e.source, e.target, e.conditional) for e in drawn.edges}
     assert ("__start__", "plan", False) in edges
     for executor in ("plan", "local", "cloud", "repair"):
-        assert {(executor, "tools", True), (executor, "memory", True), (executor, "__end__", True)} <= edges
-    routed = {target for source, target, conditional in edges if source == "tools" and conditional}
-    assert routed == {"local", "cloud", "repair", "step_limit", "give_up", "memory"}
+        after = {target for source, target, conditional in edges if source == executor and conditional}
+        assert after == {"tools", "route", "memory", "unavailable", "__end__"}
+    # Tool calls fan out as one task each and join at the one node that decides; a batch's lone
+    # call decides the next step itself (the same decision, one superstep fewer).
+    after_tool = {target for source, target, conditional in edges if source == "tools" and conditional}
+    assert after_tool == {"route", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"}
+    routed = {target for source, target, conditional in edges if source == "route" and conditional}
+    assert routed == {"tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"}
+    retried = {target for source, target, conditional in edges if source == "unavailable"}
+    assert retried == {"plan", "local", "cloud", "repair"}
     assert {
         ("step_limit", "__end__", False),
         ("give_up", "__end__", False),

@@ -1,10 +1,13 @@
-"""Test harness: a real ``llama-server`` and a tiny model for it to serve.
+"""Test harness for fusion-graph: a real ``llama-server`` and a tiny model for it to serve.
 
-Kept inside the package (not under ``tests/``) so benchmarks, notebooks and
-downstream projects can start the same server the integration tests use.
-Nothing here is imported by ``fusion_graph`` itself. The model writer is
-imported lazily because it needs ``gguf`` and ``numpy`` (dev extras), which
-the server helpers do not.
+A distribution of its own (``fusion-graph-testing``, under ``testing/`` in the
+repository), as LangChain ships ``langchain-tests``: the ``fusion-graph`` wheel
+is the runtime, and this harness needs packages the runtime does not
+(``gguf``, ``numpy``). Tests, benchmarks, notebooks and downstream projects
+install it to start the same server the integration tests use; ``fusion_graph``
+never imports it (``tests/test_wheel.py`` checks). The model writer is
+imported lazily, so using only the server helpers does not load ``gguf`` and
+``numpy``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fusion_graph.testing.llama_server import (
+from fusion_graph_testing.llama_server import (
     DEFAULT_LLAMA_CPP_PYTHON_VERSION,
     LlamaServer,
     LlamaServerError,
@@ -29,7 +32,7 @@ from fusion_graph.testing.llama_server import (
 )
 
 if TYPE_CHECKING:
-    from fusion_graph.testing.tiny_model import SUPPORTED_ARCHS, read_tokenizer_metadata, write_tiny_model
+    from fusion_graph_testing.tiny_model import SUPPORTED_ARCHS, read_tokenizer_metadata, write_tiny_model
 
 _LAZY = {"SUPPORTED_ARCHS", "read_tokenizer_metadata", "write_tiny_model"}
 
@@ -56,5 +59,5 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Imports the ``gguf``-dependent names on first use."""
     if name in _LAZY:
-        return getattr(importlib.import_module("fusion_graph.testing.tiny_model"), name)
+        return getattr(importlib.import_module("fusion_graph_testing.tiny_model"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

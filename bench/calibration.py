@@ -1,0 +1,366 @@
+"""Does a calibrated dial hold on trajectories it has not seen?
+
+For each trace family (one trace file), the trajectories are split into two
+halves with several seeds. A ``score_quantiles`` table is fitted on one half
+(``fusion_graph.calibration.fit_quantiles``, with the default hysteresis) and
+the other half is replayed with the graph's own routing
+(``fusion_graph.replay.route_history``) at ``cloud_share = 100 × target``; the
+achieved share of continuation steps (steps after each turn's plan) on cloud
+is compared with the target. Both directions of every split are used.
+
+Reference columns, per target:
+
+* ``in-sample``: the same table on the half it was fitted on;
+* ``design rule``: the best plain ``cloud_share`` (no table) found on the
+  calibration half, replayed on the other half: all the old dial could do;
+* ``floor``: a table fitted on the *whole* family, replayed on each half: what
+  the evaluation half's own sampling spread costs even with the best table.
+
+It also reports whether the score separates failed (``reward`` 0) from
+successful tau-bench tasks (rank AUC with a permutation p-value).
+
+No model is called; the run takes well under a minute on two cores.
+Run ``python -m bench.calibration --help``; see bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.traces import DEFAULT_TRACES, REPO_ROOT
+from fusion_graph.calibration import (
+    ScoredStep,
+    best_plain_share,
+    fit_quantiles,
+    permutation_p,
+    rank_auc,
+    scored_steps,
+    share_for,
+    share_of,
+    split_halves,
+)
+from fusion_graph.cli_common import progress
+from fusion_graph.context import DEFAULTS, FusionContext
+from fusion_graph.traces import (
+    RecordedTrajectory,
+    ReplayedTrajectory,
+    TraceError,
+    families,
+    load_trajectories,
+    replay_trajectory,
+)
+
+TARGETS = (0.1, 0.2, 0.3, 0.5)
+GOAL_MAE = 0.03
+GOAL_WORST = 0.05
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """One target on one evaluation half."""
+
+    family: str
+    seed: int
+    direction: int
+    target: float
+    cloud_share: int
+    achieved: float
+    in_sample: float
+    plain_share: int
+    plain_achieved: float
+    floor_achieved: float
+    evaluation_steps: int
+
+
+def continuation_fraction(replays: Sequence[ReplayedTrajectory]) -> tuple[float, int]:
+    """Continuation cloud fraction and continuation steps of ``route_history`` replays."""
+    legs = [s.leg for r in replays for s in r.steps if s.step > 0]
+    return (legs.count("cloud") / len(legs) if legs else 0.0), len(legs)
+
+
+def evaluate_family(
+    name: str,
+    trajectories: Sequence[RecordedTrajectory],
+    scored: Sequence[Sequence[ScoredStep]],
+    *,
+    base: FusionContext,
+    seeds: int,
+    targets: Sequence[float],
+    advance: Any,
+) -> list[SplitResult]:
+    """All splits of one family: fit on one half, replay the other with ``route_history``."""
+    results = []
+    whole = fit_quantiles(scored, base.hysteresis)
+    for seed in range(seeds):
+        halves = split_halves(len(trajectories), seed)
+        for direction, (cal, ev) in enumerate((halves, halves[::-1])):
+            table = fit_quantiles([scored[i] for i in cal], base.hysteresis)
+            for target in targets:
+                share = share_for(target)
+                context = dataclasses.replace(base, cloud_share=share, score_quantiles=table)
+                replays = [replay_trajectory(trajectories[i], context) for i in ev]
+                achieved, steps = continuation_fraction(replays)
+                plain_share = best_plain_share([scored[i] for i in cal], target, base)
+                plain = dataclasses.replace(base, cloud_share=plain_share)
+                floor = dataclasses.replace(base, cloud_share=share, score_quantiles=whole)
+                results.append(
+                    SplitResult(
+                        family=name,
+                        seed=seed,
+                        direction=direction,
+                        target=target,
+                        cloud_share=share,
+                        achieved=achieved,
+                        in_sample=share_of([scored[i] for i in cal], context).fraction,
+                        plain_share=plain_share,
+                        plain_achieved=share_of([scored[i] for i in ev], plain).fraction,
+                        floor_achieved=share_of([scored[i] for i in ev], floor).fraction,
+                        evaluation_steps=steps,
+                    )
+                )
+                advance()
+    return results
+
+
+def coin_error(steps: int, target: float) -> float:
+    """``E|k/n - p|`` for ``k ~ Binomial(n, p)``: the error of an ideal independent coin per step.
+
+    No per-step rule can beat this on average over halves of ``n`` steps
+    (steps of one trajectory are correlated, which only adds to it).
+    """
+    if steps <= 0:
+        return 0.0
+    return sum(
+        math.comb(steps, k) * target**k * (1 - target) ** (steps - k) * abs(k / steps - target)
+        for k in range(steps + 1)
+    )
+
+
+def _errors(rows: Sequence[SplitResult], field: str) -> list[float]:
+    return [abs(getattr(r, field) - r.target) for r in rows]
+
+
+def summarize_rows(rows: Sequence[SplitResult]) -> dict[str, Any]:
+    """Mean achieved, bias, MAE and worst error (and the reference columns) of some splits."""
+    errors = _errors(rows, "achieved")
+    return {
+        "splits": len(rows),
+        "mean_achieved": round(statistics.mean(r.achieved for r in rows), 4),
+        "bias": round(statistics.mean(r.achieved - r.target for r in rows), 4),
+        "mae": round(statistics.mean(errors), 4),
+        "worst": round(max(errors), 4),
+        "in_sample_mae": round(statistics.mean(_errors(rows, "in_sample")), 4),
+        "design_rule_mae": round(statistics.mean(_errors(rows, "plain_achieved")), 4),
+        "design_rule_worst": round(max(_errors(rows, "plain_achieved")), 4),
+        "floor_mae": round(statistics.mean(_errors(rows, "floor_achieved")), 4),
+        "floor_worst": round(max(_errors(rows, "floor_achieved")), 4),
+        "coin_mae": round(statistics.mean(coin_error(r.evaluation_steps, r.target) for r in rows), 4),
+        "evaluation_steps": round(statistics.mean(r.evaluation_steps for r in rows), 1),
+    }
+
+
+def separation(trajectories: Sequence[RecordedTrajectory], scored: Sequence[Sequence[ScoredStep]]) -> Any:
+    """Does the score tell failed (reward 0) from successful (reward 1) tasks? Rank AUC per feature.
+
+    AUC is the chance a failed task's value is above a successful one's (0.5: no separation).
+    Trajectory length is given as a reference: the score grows with it.
+    """
+    failed: list[Sequence[ScoredStep]] = []
+    passed: list[Sequence[ScoredStep]] = []
+    for trajectory, steps in zip(trajectories, scored, strict=True):
+        if trajectory.reward is not None and steps:
+            (failed if trajectory.reward == 0 else passed).append(steps)
+    if not failed or not passed:
+        return None
+
+    def continuation(steps: Sequence[ScoredStep]) -> list[float]:
+        return [s.score.points for s in steps if s.step > 0]
+
+    features: dict[str, Callable[[Sequence[ScoredStep]], float]] = {
+        "mean continuation score": lambda s: statistics.mean(continuation(s) or [0.0]),
+        "max score": lambda s: max(x.score.points for x in s),
+        "mean score (all steps)": lambda s: statistics.mean(x.score.points for x in s),
+        "steps (reference)": lambda s: float(len(s)),
+    }
+    rows = {}
+    for name, feature in features.items():
+        bad = [feature(s) for s in failed]
+        good = [feature(s) for s in passed]
+        rows[name] = {
+            "failed_mean": round(statistics.mean(bad), 3),
+            "successful_mean": round(statistics.mean(good), 3),
+            "auc": round(rank_auc(bad, good), 3),
+            "p_value": round(permutation_p(bad, good), 4),
+        }
+    step_bad = [p for s in failed for p in continuation(s)]
+    step_good = [p for s in passed for p in continuation(s)]
+    return {
+        "failed": len(failed),
+        "successful": len(passed),
+        "features": rows,
+        "continuation_steps_auc": round(rank_auc(step_bad, step_good), 3) if step_bad and step_good else None,
+    }
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    """The results as rich tables."""
+    table = Table(title="calibrated dial on unseen halves (continuation steps on cloud)")
+    columns = ("family", "target", "mean achieved", "bias", "MAE", "worst", "in-sample MAE")
+    for column in (*columns, "design rule MAE / worst", "floor MAE / worst", "coin MAE"):
+        table.add_column(column, justify="left" if column == "family" else "right")
+    for row in report["rows"]:
+        table.add_row(
+            row["family"],
+            f"{row['target']:.2f}",
+            f"{row['mean_achieved']:.3f}",
+            f"{row['bias']:+.3f}",
+            f"{row['mae']:.3f}",
+            f"{row['worst']:.3f}",
+            f"{row['in_sample_mae']:.3f}",
+            f"{row['design_rule_mae']:.3f} / {row['design_rule_worst']:.3f}",
+            f"{row['floor_mae']:.3f} / {row['floor_worst']:.3f}",
+            f"{row['coin_mae']:.3f}",
+        )
+    console.print(table)
+    goals = Table(title=f"goal: MAE <= {GOAL_MAE}, worst <= {GOAL_WORST} per family")
+    for column in ("family", "trajectories", "steps per half", "splits", "MAE", "worst", "coin MAE", "met"):
+        goals.add_column(column)
+    for name, row in report["families"].items():
+        goals.add_row(
+            name,
+            str(row["trajectories"]),
+            f"{row['evaluation_steps']:g}",
+            str(row["splits"]),
+            f"{row['mae']:.3f}",
+            f"{row['worst']:.3f}",
+            f"{row['coin_mae']:.3f}",
+            "yes" if row["met"] else "no",
+        )
+    console.print(goals)
+    sep = report.get("separation")
+    if sep:
+        table = Table(title=f"tau-bench: failed ({sep['failed']}) vs successful ({sep['successful']}) tasks")
+        for column in ("per trajectory", "failed mean", "successful mean", "AUC", "p"):
+            table.add_column(column, justify="left" if column == "per trajectory" else "right")
+        for name, row in sep["features"].items():
+            table.add_row(
+                name,
+                f"{row['failed_mean']:.2f}",
+                f"{row['successful_mean']:.2f}",
+                f"{row['auc']:.3f}",
+                f"{row['p_value']:.3f}",
+            )
+        console.print(table)
+        console.print(
+            f"continuation steps of failed vs successful tasks: AUC {sep['continuation_steps_auc']}"
+        )
+    console.print(
+        "floor: a table fitted on the whole family, replayed on each half; coin: an ideal independent "
+        "per-step coin with p = target on halves of the same size"
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--traces", type=Path, nargs="+", default=[DEFAULT_TRACES], help="trace files or directories"
+    )
+    parser.add_argument("--seeds", type=int, default=10, help="random splits per family (default 10)")
+    parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="comma-separated fractions")
+    parser.add_argument("--hysteresis", type=int, default=DEFAULTS["hysteresis"])
+    parser.add_argument("--out", type=Path, help="also write the results as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    targets = [float(t) for t in args.targets.split(",")]
+    err = Console(stderr=True)
+    try:
+        trajectories = load_trajectories(args.traces)
+    except TraceError as error:
+        err.print(f"[bold red]error:[/] {error}. The shared traces are expected at {DEFAULT_TRACES}.")
+        return 2
+    started = time.perf_counter()
+    base = FusionContext(mode="fusion", hysteresis=args.hysteresis)
+    grouped = families(trajectories)
+    scored: dict[str, list[list[ScoredStep]]] = {}
+    with progress(err) as bar:
+        task = bar.add_task("scoring (route_history)", total=len(trajectories))
+        for name, items in grouped.items():
+            scored[name] = []
+            for trajectory in items:
+                scored[name].append(scored_steps(replay_trajectory(trajectory, base).steps))
+                bar.advance(task)
+        usable = {name: items for name, items in grouped.items() if len(items) >= 2}
+        task = bar.add_task("splits", total=sum(2 * args.seeds * len(targets) for _ in usable))
+        results: list[SplitResult] = []
+        for name, items in usable.items():
+            results += evaluate_family(
+                name,
+                items,
+                scored[name],
+                base=base,
+                seeds=args.seeds,
+                targets=targets,
+                advance=lambda: bar.advance(task),
+            )
+    rows = []
+    family_rows = {}
+    for name in usable:
+        mine = [r for r in results if r.family == name]
+        for target in targets:
+            rows.append(
+                {"family": name, "target": target, **summarize_rows([r for r in mine if r.target == target])}
+            )
+        overall = summarize_rows(mine)
+        family_rows[name] = {
+            "trajectories": len(grouped[name]),
+            **overall,
+            "met": overall["mae"] <= GOAL_MAE and overall["worst"] <= GOAL_WORST,
+        }
+    pairs = [(t, s) for name in grouped for t, s in zip(grouped[name], scored[name], strict=True)]
+    with_reward = [(t, s) for t, s in pairs if t.reward is not None]
+    report = {
+        "meta": {
+            "traces": [os.path.relpath(p, REPO_ROOT) for p in args.traces],
+            "seeds": args.seeds,
+            "targets": targets,
+            "hysteresis": args.hysteresis,
+            "goal": {"mae": GOAL_MAE, "worst": GOAL_WORST},
+            "seconds": round(time.perf_counter() - started, 1),
+            "python": platform.python_version(),
+            "method": "fit score_quantiles on one half, replay the other half with route_history",
+        },
+        "rows": rows,
+        "families": family_rows,
+        "separation": (
+            separation([t for t, _ in with_reward], [s for _, s in with_reward]) if with_reward else None
+        ),
+        "splits": [dataclasses.asdict(r) for r in results],
+    }
+    out = Console()
+    render(report, out if out.is_terminal else Console(width=160))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        err.print(f"results written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

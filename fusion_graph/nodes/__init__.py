@@ -1,0 +1,30 @@
+"""The graph's nodes, one module per concern.
+
+- ``inference``: ``plan``, ``local``, ``cloud``, ``repair`` (one inference each, plus its batch check)
+- ``dispatch``: the batch rules and one ``Send`` per tool call to LangGraph's ``ToolNode``
+- ``route``: where the turn goes after a batch, decided once and handed to the executor
+- ``memory``: recall into a new turn and the memory jobs after a reply
+- ``ends``: ``step_limit``, ``give_up`` and ``unavailable`` (every provider down)
+"""
+
+from fusion_graph.nodes.dispatch import make_tool_node, sends
+from fusion_graph.nodes.ends import give_up, step_limit, unavailable
+from fusion_graph.nodes.inference import InferenceNodes, InvalidInput, check_new_turn, thread_id_of
+from fusion_graph.nodes.memory import MemoryNodes, memory_on
+from fusion_graph.nodes.route import DESTINATIONS, RouteNode
+
+__all__ = [
+    "DESTINATIONS",
+    "InferenceNodes",
+    "InvalidInput",
+    "MemoryNodes",
+    "RouteNode",
+    "check_new_turn",
+    "give_up",
+    "make_tool_node",
+    "memory_on",
+    "sends",
+    "step_limit",
+    "thread_id_of",
+    "unavailable",
+]

@@ -1,0 +1,55 @@
+"""Nodes that end a turn without a model reply, or hold it when no provider answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.messages import AIMessage
+from langgraph.config import get_config
+from langgraph.runtime import Runtime
+from langgraph.types import Command
+
+from fusion_graph import prompts
+from fusion_graph.chain import Attempt, ChainExhausted
+from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.state import State
+
+# NOTE: LangGraph marks a run that continues from a checkpoint (invoke with None,
+# or Command(resume=...)) with this configurable key; it is how ``unavailable``
+# tells a fresh failure (raise) from a resume (retry).
+RESUMING_KEY = "__pregel_resuming"
+
+
+async def step_limit(state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+    """End the turn at ``max_steps`` with a message saying so."""
+    context = ensure_context(runtime.context)
+    return {"messages": [AIMessage(prompts.STEP_LIMIT.format(max_steps=context.max_steps))]}
+
+
+async def give_up(state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+    """End the turn after ``max_repair_attempts`` failed repairs, with a clear message."""
+    text = prompts.REPAIR_EXHAUSTED.format(
+        attempts=state.get("repair_attempts", 0), error=state.get("repair_error") or "unknown"
+    )
+    return {"messages": [AIMessage(text)], "repair_error": None}
+
+
+#: Where ``unavailable`` can send a resumed turn: the executor whose inference failed.
+RETRY_DESTINATIONS = ("plan", "local", "cloud", "repair")
+
+
+async def unavailable(state: State, runtime: Runtime[FusionContext]) -> Command[str]:
+    """Every provider failed an inference: raise ``ChainExhausted``; on resume, retry it.
+
+    The failed attempts are already in ``route_log`` (the executor wrote them
+    before coming here), so the checkpoint holds everything; resume the thread
+    with ``ainvoke(None, config)`` once a provider is back.
+    """
+    stall = state.get("stall")
+    if stall is None:
+        raise RuntimeError("unavailable runs only after an inference no provider answered")
+    if get_config().get("configurable", {}).get(RESUMING_KEY):
+        return Command(update={"stall": None}, goto=stall["node"])
+    log = state.get("route_log", [])
+    attempts = [Attempt(**a) for a in log[-1]["attempts"]] if log else []
+    raise ChainExhausted(stall["message"], attempts, stall["retry_in_s"])

@@ -1,0 +1,265 @@
+"""Executor nodes: the plan, continuation steps on either leg, and repairs.
+
+Each runs one inference through the provider chain (``executor.infer``), checks
+the answer's tool batch (``dispatch.check_batch``) and writes both in one
+update. Continuation steps act on the decision the ``route`` node handed over
+in ``state["route"]``; they never score again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.messages import BaseMessage, HumanMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.config import get_config
+from langgraph.runtime import Runtime
+
+from fusion_graph.chain import ChainLink
+from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.executor import infer
+from fusion_graph.memory import inference_running
+from fusion_graph.nodes.dispatch import check_batch
+from fusion_graph.records import totals_of
+from fusion_graph.resolver import ProviderResolver
+from fusion_graph.routing import Leg, RouteDecision, StepSignals
+from fusion_graph.signals import TokenCounter
+from fusion_graph.state import RouteRecord, State, StepKind, add_totals
+from fusion_graph.turn import continuation_route, decision_of, plan_route
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """What the memory side hands a new turn's plan step.
+
+    Attributes:
+        message: Recalled memories, joined to the turn after the user's message (``None``: none).
+        records: Records of memory jobs that finished since the last fold, for ``route_log``.
+    """
+
+    message: HumanMessage | None = None
+    records: tuple[RouteRecord, ...] = ()
+
+
+#: Prepares a new turn: recalls memories, catches up on memory jobs (``fusion_graph.nodes.memory``).
+Recall = Callable[[State, Runtime[FusionContext]], Awaitable[TurnStart]]
+
+
+class InvalidInput(ValueError):
+    """A run was started without a new user message; nothing was sent to any model."""
+
+
+def thread_id_of(config: RunnableConfig) -> str:
+    """The conversation's id (``configurable.thread_id``); one shared id when absent."""
+    return str(config.get("configurable", {}).get("thread_id") or "default")
+
+
+def check_new_turn(messages: Sequence[BaseMessage] | None) -> None:
+    """Refuse a turn whose last message is not a user's (no model call is made for it)."""
+    if not messages:
+        raise InvalidInput(
+            "the run has no messages: send at least one user message, e.g. "
+            '{"messages": [("user", "...")]}; to continue an interrupted run, invoke with None'
+        )
+    last = messages[-1]
+    if not isinstance(last, HumanMessage):
+        raise InvalidInput(
+            f"the last message is a {type(last).__name__}, not a user message: a turn starts with a "
+            "new user message (to continue an interrupted run, invoke with None or Command(resume=...))"
+        )
+
+
+#: State fields with reducers: what a node writes there is always new.
+_APPENDED = frozenset({"messages", "route_log", "totals"})
+
+
+def only_changes(state: State, update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` without fields that already hold the same value.
+
+    Every written field is saved again in the next checkpoint; skipping
+    unchanged ones keeps each step's checkpoint small.
+    """
+    current: dict[str, Any] = dict(state)
+    return {
+        key: value
+        for key, value in update.items()
+        if key in _APPENDED or key not in current or current[key] != value
+    }
+
+
+class InferenceNodes:
+    """``plan``, ``local``, ``cloud`` and ``repair``, bound to the graph's providers and tools."""
+
+    def __init__(
+        self,
+        *,
+        resolver: ProviderResolver,
+        tools: Sequence[BaseTool],
+        count_tokens: TokenCounter,
+        recall: Recall | None = None,
+    ) -> None:
+        """Keep what every inference needs."""
+        self.resolver = resolver
+        self.tools = list(tools)
+        self.tools_by_name = {tool.name: tool for tool in self.tools}
+        self.count_tokens = count_tokens
+        self.recall = recall
+
+    async def _infer(
+        self,
+        *,
+        node: str,
+        kind: StepKind,
+        step: int,
+        turn: int,
+        decision: RouteDecision,
+        signals: StepSignals | None,
+        state: State,
+        runtime: Runtime[FusionContext],
+        prefer_provider: str | None = None,
+    ) -> tuple[dict[str, Any], bool]:
+        """One inference and its batch check; returns the update and whether it was answered."""
+        context = ensure_context(runtime.context)
+        chain = await self.resolver.chain(context)
+        thread_id = thread_id_of(get_config())
+
+        async def find_slot(link: ChainLink) -> int | None:
+            pool = await self.resolver.slot_pool(link, context)
+            return pool.slot_for(thread_id) if pool is not None else None
+
+        messages = state.get("messages", [])
+        async with inference_running(thread_id):  # a memory job beside this step starts after it
+            answer, record, exhausted = await infer(
+                kind=kind,
+                step=step,
+                turn=turn,
+                decision=decision,
+                signals=signals,
+                chain=chain,
+                find_slot=find_slot,
+                messages=messages,
+                tools=self.tools,
+                runtime=runtime,
+                context=context,
+                prefer_provider=prefer_provider,
+            )
+        if answer is None:
+            message = str(exhausted) if exhausted is not None else "no provider answered"
+            retry = exhausted.retry_in_s if exhausted is not None else None
+            return {
+                "route_log": [record],
+                "stall": {"node": node, "message": message, "retry_in_s": retry},
+            }, False
+        batch = check_batch(answer, history=messages, tools=self.tools_by_name, context=context)
+        update: dict[str, Any] = {
+            "messages": [batch.answer, *batch.replies],
+            "route_log": [record],
+            "totals": totals_of(record),
+            "step": step,
+            # The leg that answered: after a fallover the turn continues from there.
+            "leg": record["leg"],
+            "provider": record["provider"],
+            "notice": batch.notice,
+            "repair_error": batch.repair_error,
+            "route": None,
+            "stall": None,
+        }
+        if batch.repair_error is None:
+            update["repair_attempts"] = 0
+        return only_changes(state, update), True
+
+    async def plan(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Step 0: form the plan and pick the first tool batch (cloud whenever cloud_share > 0).
+
+        Relevant stored memories join the turn as a message right after the user's,
+        so every later step shares the prefix.
+        """
+        check_new_turn(state.get("messages"))
+        context = ensure_context(runtime.context)
+        start = await self.recall(state, runtime) if self.recall is not None else TurnStart()
+        recalled = start.message
+        if recalled is not None:
+            state = {**state, "messages": [*state["messages"], recalled]}
+        decision, signals = plan_route(state, context, self.count_tokens)
+        turn = state.get("turn", -1) + 1
+        update, answered = await self._infer(
+            node="plan",
+            kind="plan",
+            step=0,
+            turn=turn,
+            decision=decision,
+            signals=signals,
+            state=state,
+            runtime=runtime,
+        )
+        if not answered:
+            return update
+        if recalled is not None:
+            update["messages"] = [recalled, *update["messages"]]
+        if start.records:  # memory jobs that finished since the last turn: in route_log once
+            update["route_log"] = [*start.records, *update["route_log"]]
+            for record in start.records:
+                update["totals"] = add_totals(update.get("totals"), totals_of(record))
+        update |= {"turn": turn}
+        update.setdefault("repair_attempts", 0)
+        return update
+
+    async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        choice = state.get("route")
+        if choice is not None and choice["leg"] == leg:
+            decision, signals = decision_of(choice)
+        else:  # a checkpoint written before decisions were handed over: decide here
+            decision, signals = continuation_route(state, ensure_context(runtime.context), self.count_tokens)
+        update, _ = await self._infer(
+            node=leg,
+            kind="step",
+            step=state.get("step", 0) + 1,
+            turn=state.get("turn", 0),
+            decision=decision,
+            signals=signals,
+            state=state,
+            runtime=runtime,
+        )
+        return update
+
+    async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step routed to the local model (llama-server)."""
+        return await self._continue("local", state, runtime)
+
+    async def cloud(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step routed to the cloud model."""
+        return await self._continue("cloud", state, runtime)
+
+    async def repair(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Retry a malformed tool call on the leg and provider that made it (never re-scored).
+
+        The provider is preferred while healthy; when it is not, the repair falls
+        over like any step.
+        """
+        context = ensure_context(runtime.context)
+        leg: Leg = state.get("leg", "local")
+        attempt = state.get("repair_attempts", 0) + 1
+        decision = RouteDecision(
+            leg=leg,
+            score=None,
+            threshold=None,
+            reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
+            f"kept on the {leg} leg that made it",
+        )
+        update, answered = await self._infer(
+            node="repair",
+            kind="repair",
+            step=state.get("step", 0) + 1,
+            turn=state.get("turn", 0),
+            decision=decision,
+            signals=None,
+            state=state,
+            runtime=runtime,
+            prefer_provider=state.get("provider"),
+        )
+        if answered and update.get("repair_error", state.get("repair_error")) is not None:
+            update["repair_attempts"] = attempt
+        return update
