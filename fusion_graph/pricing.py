@@ -216,16 +216,6 @@ def price(
     return None if found is None else float(found[0])
 
 
-def price_record(record: RouteRecord, pricing: Pricing, *, at: datetime | None = None) -> RouteRecord:
-    """A copy of ``record`` with ``cost_usd`` priced by ``pricing`` (the answering provider's)."""
-    cost = price(
-        pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"], at=at
-    )
-    priced = record.copy()
-    priced["cost_usd"] = cost
-    return priced
-
-
 @dataclass(frozen=True)
 class LegTotals:
     """Running totals of the inferences that one leg (or provider) answered.
