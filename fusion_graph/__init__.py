@@ -8,7 +8,16 @@ from fusion_graph.memory import MemoryJob
 from fusion_graph.nodes import InvalidInput
 from fusion_graph.replay import route_history
 from fusion_graph.resolver import ProviderResolver
-from fusion_graph.routing import Leg, Mode, RouteDecision, StepScore, StepSignals, decide_leg, score_step
+from fusion_graph.routing import (
+    Leg,
+    Mode,
+    Pace,
+    RouteDecision,
+    StepScore,
+    StepSignals,
+    decide_leg,
+    score_step,
+)
 from fusion_graph.serial import FusionGraph
 from fusion_graph.settings import ContextError, FusionSettings
 from fusion_graph.slots import SlotPool
@@ -28,6 +37,7 @@ __all__ = [
     "Leg",
     "MemoryJob",
     "Mode",
+    "Pace",
     "ProviderChain",
     "ProviderResolver",
     "RouteDecision",

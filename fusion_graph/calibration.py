@@ -15,6 +15,17 @@ the calibration set with the same band ``decide_leg`` applies around it
 dead band's effect. A table is therefore learned *for one hysteresis*; the
 context ``calibrate`` returns carries both.
 
+A table alone does not hold its share on trajectories it was not fitted on:
+each set of conversations has its own score distribution, and the steps of one
+conversation rise and fall together. The paced dial (``FusionContext.pace_slack``,
+``routing.paced_leg``) adds feedback: each thread's cloud count is held within
+the slack of its share, and the table, fitted without the pace, still ranks
+the steps inside that slack (which steps are in the top ``s`` percent). It is
+not fitted with the pace inside: a pace of half a step fixes the count whatever
+the bar, so such a fit would be free to drop every bar to 0 and leave the
+score no say. ``calibrate`` recommends a pace (``CALIBRATED_PACE_SLACK``);
+bench/calibration.py measures both on unseen halves.
+
 Everything here is a pure function over scores. Scores come from
 ``replay.route_history`` (the graph's own signals and score), and they do not
 depend on the dial, so a trajectory is replayed once and then re-routed under
@@ -36,6 +47,7 @@ from fusion_graph.replay import ReplayedStep, route_history
 from fusion_graph.routing import (
     QUANTILE_TABLE_LENGTH,
     Leg,
+    Pace,
     RouteDecision,
     StepScore,
     decide_leg,
@@ -46,6 +58,10 @@ from fusion_graph.routing import (
 GRID = 100
 #: The 0.01-point grid spans 0 to 100 points.
 GRID_MAX = 100 * GRID
+#: The ``pace_slack`` ``calibrate`` puts in the context unless told otherwise: each thread's cloud
+#: count within half a step of its share. Chosen before measuring, as the tightest pace whole
+#: steps allow; on unseen halves of the shared traces it is what meets the goal (bench/calibration.py).
+CALIBRATED_PACE_SLACK = 0.5
 
 
 class CalibrationError(ValueError):
@@ -86,10 +102,13 @@ def route_scores(trace: Trace, context: FusionContext) -> list[RouteDecision]:
 
     Scores do not depend on the dial, so this equals re-running ``route_history``
     with ``context`` (same ``max_steps``, budget and system prompt) at a fraction
-    of the cost: the plan gets no current leg, every other step the previous one's.
+    of the cost: the plan gets no current leg, every other step the previous one's,
+    and the paced dial counts the continuation steps routed so far, as
+    ``turn.pace_of`` counts them in the route log.
     """
     decisions = []
     leg: Leg | None = None
+    pace = None if context.pace_slack is None else Pace(context.pace_slack)
     for item in trace:
         decision = decide_leg(
             mode=context.mode,
@@ -99,8 +118,11 @@ def route_scores(trace: Trace, context: FusionContext) -> list[RouteDecision]:
             cloud_share=context.cloud_share,
             hysteresis=context.hysteresis,
             score_quantiles=context.score_quantiles,
+            pace=pace,
         )
         leg = decision.leg
+        if pace is not None and item.step > 0:
+            pace = pace.after(leg)
         decisions.append(decision)
     return decisions
 
@@ -192,7 +214,7 @@ def fit_quantiles(traces: Iterable[Trace], hysteresis: int) -> tuple[float, ...]
     Each entry for ``s`` in 1..99 is fitted with ``hysteresis`` in place; the
     table is then made non-decreasing (a higher share never gets a higher bar).
     Entries 0 and 100 (shares 100 and 0, fixed rules that never read the
-    table) repeat their neighbours.
+    table) repeat their neighbours. A pace plays no part (see the module note).
 
     Raises:
         CalibrationError: The traces have no continuation step.
@@ -246,7 +268,8 @@ def calibrate(traces: Sequence[Trace], target: float, context: FusionContext) ->
 
     It is ``context`` with a fitted ``score_quantiles`` table (for ``context.hysteresis``)
     and ``cloud_share = round(100 × target)``; the table makes every other share
-    mean its own fraction too. ``achieved`` is measured on ``traces`` themselves.
+    mean its own fraction too, and ``context.pace_slack`` (kept as given) holds
+    each thread to it. ``achieved`` is measured on ``traces`` themselves, pace included.
     Target 0 gives ``cloud_share`` 0: nothing on cloud, plans included.
     """
     share = share_for(target)
@@ -262,7 +285,7 @@ def best_plain_share(traces: Sequence[Trace], target: float, context: FusionCont
     The baseline calibration can only do this; the table exists because it
     misses most targets (a dead zone below the scores traces reach, a cliff above).
     """
-    plain = dataclasses.replace(context, mode="fusion", score_quantiles=None)
+    plain = dataclasses.replace(context, mode="fusion", score_quantiles=None, pace_slack=None)
     best = min(
         range(101),
         key=lambda s: abs(share_of(traces, dataclasses.replace(plain, cloud_share=s)).fraction - target),

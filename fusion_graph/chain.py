@@ -5,13 +5,15 @@ circuit (``Health``): failures within a window put it in cooldown, the first
 use after the cooldown is a probe (half-open), and the probe closes or
 re-opens the circuit. A call's start is, in order: ``prefer_provider``
 (repairs), the first link of ``preferred_leg`` (the router), the operator's
-override, the first available link; a start in cooldown is skipped. So the
+override, the first available link; a start in cooldown, or one whose window
+cannot hold the request (``fits``), is skipped. So the
 routed leg beats the override, which is only the default start, and a routed
 call never touches the override. On a failure the walk resumes from the head,
 skipping links that already failed in this call: local down runs on cloud and
-vice versa. A half-open link used as a preferred start is probed (its circuit
-learns from the call) but not *reported* as a probe: ``probe`` says the
-chain's health logic, not the router, chose the link.
+vice versa, and a request that overflowed a window walks on to a larger one.
+A half-open link used as a preferred start is probed (its circuit learns
+from the call) but not *reported* as a probe: ``probe`` says the chain's
+health logic, not the router, chose the link.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from fusion_graph.health import (
     HealthPolicy,
     RetryPolicy,
     classify,
+    overflow_numbers,
     retry_after,
 )
 from fusion_graph.pricing import Pricing, pricing_for
@@ -81,13 +84,19 @@ async def close_chat_model(model: BaseChatModel) -> None:
 
 @dataclass(eq=False)
 class ChainLink:
-    """A provider in the chain. Links compare by identity: a rebuilt provider is a new link."""
+    """A provider in the chain. Links compare by identity: a rebuilt provider is a new link.
+
+    ``window``: tokens the provider holds per request (prompt + completion); ``None``
+    lets the resolver find it (operator setting, llama-server's ``/props``, the
+    model's profile).
+    """
 
     id: str
     leg: Leg
     model: BaseChatModel
     pricing: Pricing
     close: Closer = close_chat_model
+    window: int | None = None
     _closed: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +130,7 @@ class Attempt:
     """One failed try within a call; ``error`` is the exception's class name.
 
     ``message`` is the error text scrubbed of secrets (``redact.scrub``), at most 500 characters.
+    ``prompt_tokens``: the request's size as a ``context_overflow`` error reported it.
     """
 
     provider: str
@@ -132,6 +142,7 @@ class Attempt:
     health_failure: bool
     probe: bool
     retry_after_s: float | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,11 @@ class ChainOutcome(Generic[T]):
     probe: bool
     preferred: bool
     latency_s: float
+
+
+def _any_link(link: ChainLink) -> bool:
+    """The default ``fits``: every link can hold the request."""
+    return True
 
 
 class ChainExhausted(RuntimeError):
@@ -284,18 +300,24 @@ class ProviderChain:
             except Exception:
                 logger.exception("closing provider %s failed", link.id)
 
-    def _start(self, leg: Leg | None, provider_id: str | None) -> tuple[ChainLink | None, bool]:
+    def _start(
+        self, leg: Leg | None, provider_id: str | None, fits: Callable[[ChainLink], bool]
+    ) -> tuple[ChainLink | None, bool]:
         now = self._clock()
-        first_of_leg = [x for x in self._links if x.leg == leg][:1]
-        for link in [x for x in self._links if x.id == provider_id] + first_of_leg:
+        first_of_leg = [x for x in self._links if x.leg == leg and fits(x)][:1]
+        for link in [x for x in self._links if x.id == provider_id and fits(x)] + first_of_leg:
             if self._health[link].available(now):
                 return link, True
-        pinned = [x for x in self._links if x.id == self._override and self._health[x].available(now)]
+        pinned = [
+            x for x in self._links if x.id == self._override and self._health[x].available(now) and fits(x)
+        ]
         return next(iter(pinned), None), False
 
-    def _next(self, failed: set[ChainLink]) -> ChainLink | None:
+    def _next(self, failed: set[ChainLink], fits: Callable[[ChainLink], bool]) -> ChainLink | None:
         now = self._clock()
-        return next((x for x in self._links if x not in failed and self._health[x].available(now)), None)
+        return next(
+            (x for x in self._links if x not in failed and fits(x) and self._health[x].available(now)), None
+        )
 
     async def call(
         self,
@@ -304,6 +326,7 @@ class ProviderChain:
         preferred_leg: Leg | None = None,
         prefer_provider: str | None = None,
         on_attempt: Callable[[Attempt], None] | None = None,
+        fits: Callable[[ChainLink], bool] | None = None,
     ) -> ChainOutcome[T]:
         """Run ``invoke`` on the chain's providers until one answers.
 
@@ -312,20 +335,25 @@ class ProviderChain:
             preferred_leg: The router's leg; the walk starts at that leg's first link.
             prefer_provider: A provider id to start at before that (repairs).
             on_attempt: Called with each failed attempt as it happens.
+            fits: Whether a link can hold the request (``fit.fits``); links that cannot are
+                skipped like links in cooldown. Asked again before each next link, so an
+                attempt that overflowed a window (``context_overflow``, seen by ``on_attempt``)
+                can rule out every link no larger.
 
         Raises:
-            ChainExhausted: Every provider failed or is cooling down.
+            ChainExhausted: Every provider failed, is cooling down or cannot hold the request.
             Exception: A ``bad_request`` or unknown (``other``) error, re-raised unchanged but for a note
                 listing the (scrubbed) attempts: the request would fail on any provider. Its own text
                 is the provider's; scrub it (``redact.scrub``) before logging or storing it.
         """
         if self._closed:
             raise RuntimeError("the provider chain is closed")
+        can_hold = fits or _any_link
         attempts: list[Attempt] = []
         failed: set[ChainLink] = set()
         began = self._clock()
-        link, preferred = self._start(preferred_leg, prefer_provider)
-        link = link or self._next(failed)
+        link, preferred = self._start(preferred_leg, prefer_provider, can_hold)
+        link = link or self._next(failed, can_hold)
         while link is not None:
             try:
                 answer, probe = await self._attempt(link, invoke, preferred, attempts, on_attempt)
@@ -336,7 +364,7 @@ class ProviderChain:
                 failed.add(link)
             else:
                 return ChainOutcome(link, answer, tuple(attempts), probe, preferred, self._clock() - began)
-            link, preferred = self._next(failed), False
+            link, preferred = self._next(failed, can_hold), False
         raise self._exhausted(attempts) from None  # see ChainExhausted: no raw provider error
 
     async def _attempt(
@@ -398,7 +426,8 @@ class ProviderChain:
             health.failed(self._clock(), f"{name}: {error}", wait, immediate=kind == "rate_limited")
         latency = self._clock() - start
         message = scrub(str(error))[:500]  # scrub first: a cut could leave part of a key unmatched
-        return Attempt(link.id, link.leg, name, kind, message, latency, hurt, probe, wait)
+        size = overflow_numbers(error)[0] if kind == "context_overflow" else None
+        return Attempt(link.id, link.leg, name, kind, message, latency, hurt, probe, wait, size)
 
     def _exhausted(self, attempts: Sequence[Attempt]) -> ChainExhausted:
         now, lines, backs = self._clock(), [], []

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from fusion_graph.calibration import CalibrationError, calibrate, scored_steps
+from fusion_graph.calibration import CALIBRATED_PACE_SLACK, CalibrationError, calibrate, scored_steps
 from fusion_graph.cli_common import (
     build_context,
     build_settings,
@@ -24,7 +24,8 @@ from fusion_graph.cli_common import (
     run_prices,
     stdout_console,
 )
-from fusion_graph.context import FusionContext
+from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.settings import ContextError
 from fusion_graph.traces import (
     RecordedTrajectory,
     ReplayedTrajectory,
@@ -95,7 +96,7 @@ def replay(
 ) -> None:
     """Route every step of recorded trajectories with the graph's own routing (no model calls).
 
-    Token counts are estimates (about four characters per token): a step's
+    Token counts are estimates (the graph's own estimator): a step's
     prompt is what it would send, its completion the recorded assistant
     message. cost_usd prices cloud steps at the cloud model's prices (the
     operator's FUSION_PRICE_OVERRIDES or the genai-prices catalogue) and local
@@ -124,6 +125,8 @@ def replay(
     if len(by_family) > 1:
         by_family["all"] = result
     dial = "calibrated table" if run_context.score_quantiles is not None else "design rule"
+    if run_context.pace_slack is not None:
+        dial += f", paced within {run_context.pace_slack:g} steps"
     title = f"replay at cloud_share={run_context.cloud_share}, hysteresis={run_context.hysteresis} ({dial})"
     console = stdout_console()
     console.print(summary_table(title, by_family))
@@ -141,17 +144,33 @@ def calibrate_command(
     save: Annotated[
         Path | None, typer.Option(help="Also write the context to this JSON file (for --context).")
     ] = None,
+    pace_slack: Annotated[
+        float | None,
+        typer.Option(
+            help="The paced dial's slack in steps (pace_slack): each thread's cloud count stays "
+            "within it of the share. Default: --context's pace_slack if it sets one, else "
+            f"{CALIBRATED_PACE_SLACK:g}. 0: the table alone (no pacing).",
+            min=0,
+        ),
+    ] = None,
 ) -> None:
     """Find the context that sends the target fraction of continuation steps to cloud.
 
     Fits a score_quantiles table (the calibrated dial, for the context's
-    hysteresis) on the traces, sets cloud_share to 100 × the target, and checks
-    the result by replaying the traces with it. Pass the printed context as the
-    run context (or to replay --context); any other cloud_share then means its
-    own share of continuation steps.
+    hysteresis and pace) on the traces, sets cloud_share to 100 × the target,
+    and checks the result by replaying the traces with it. The context paces
+    each thread (pace_slack) unless told not to: a table alone holds the share
+    on the traces it was fitted on, not on other conversations. Pass the
+    printed context as the run context (or to replay --context); any other
+    cloud_share then means its own share of continuation steps.
     """
     given = context_dict(context)
-    base = build_context(context)
+    if pace_slack is None:
+        pace_slack = given.get("pace_slack", CALIBRATED_PACE_SLACK)
+    try:
+        base = ensure_context({**given, "pace_slack": pace_slack or None})
+    except ContextError as error:
+        raise fail(f"{error} (--pace-slack 0 calibrates the table alone)") from error
     trajectories = load_or_fail(traces)
     replays = replay_with_progress(trajectories, base, label="scoring")
     try:
@@ -168,6 +187,7 @@ def calibrate_command(
         "cloud_share": found.context.cloud_share,
         "hysteresis": found.context.hysteresis,
         "score_quantiles": list(found.context.score_quantiles or ()),
+        "pace_slack": found.context.pace_slack,
     }
     output = {
         "target": target_cloud_fraction,

@@ -40,6 +40,11 @@ def _score_table(value: Any) -> Any:
     return None if value is None else check_score_quantiles(value)
 
 
+def _blank_is_none(value: Any) -> Any:
+    """Empty text (an empty ``FUSION_*`` variable) leaves an optional field unset."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
 #: Built-in defaults (before environment overrides), for docs and tests.
 DEFAULTS: dict[str, Any] = {}
 
@@ -92,13 +97,36 @@ class FusionContext:
         "entry 100 - cloud_share is the threshold, compared with the step's exact points, so "
         "cloud_share becomes the share of continuation steps on cloud. Empty: T = 100 - cloud_share.",
     )
+    pace_slack: Annotated[float | None, *between(0.5, 100), BeforeValidator(_blank_is_none)] = _f(
+        "pace_slack",
+        None,
+        "Paced dial: keep each thread's cloud continuation steps within this many steps of "
+        "cloud_share percent of its continuation steps (read from its route log); the score "
+        "with hysteresis picks inside that slack. 0.5 holds the share to the nearest step; "
+        "wider leaves the score more say. Empty: no pacing.",
+    )
     max_steps: Annotated[int, *between(1, 1000)] = _f(
         "max_steps", 25, "Inferences allowed per turn (plan, steps and repairs) before it ends."
     )
-    conversation_max_tokens: Annotated[int, *between(256, 10_000_000)] = _f(
+    conversation_max_tokens: Annotated[int | None, *between(256, 10_000_000)] = _f(
         "conversation_max_tokens",
-        32768,
-        "Context budget of a conversation; prompt tokens / this is the context-pressure term.",
+        None,
+        "Context budget of a conversation; prompt tokens / this is the context-pressure term. "
+        "Empty: the local window less the completion budget (pressure 1 = the step no longer fits "
+        "llama-server's slot); an explicit value may not exceed that.",
+    )
+    max_completion_tokens: Annotated[int, *between(16, 1_000_000)] = _f(
+        "max_completion_tokens",
+        4096,
+        "Completion budget of every inference on either leg (sent as max_tokens; a model's own "
+        "lower max_tokens wins). A link reserves it, at most half its window, when checking "
+        "that a step fits.",
+    )
+    max_tool_output_tokens: Annotated[int, *between(100, 10_000_000)] = _f(
+        "max_tool_output_tokens",
+        8000,
+        "Longest tool result kept whole; a longer one keeps its head and tail with a marker "
+        "saying how much was cut, and raises the transient notice of the next step.",
     )
     max_tool_calls_per_step: Annotated[int, *between(1, 128)] = _f(
         "max_tool_calls_per_step",

@@ -7,13 +7,19 @@ stream events (``stream_mode="custom"``: the decision before the call, the
 outcome after it) and leg/score tags and metadata on the model run (visible in
 LangGraph Studio and LangSmith traces). An inference no provider answers still
 gets its record, with every failed attempt.
+
+Every attempt is bounded: ``request_timeout`` (``asyncio.timeout``, so injected
+models too), a completion budget sent as ``max_tokens``, and the fit rule's
+links (``Bounds``); a response the model cannot parse is a malformed answer
+(a health failure, so the chain falls over), never an uncaught exception.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage
@@ -22,9 +28,12 @@ from langchain_core.runnables.config import merge_configs
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
+from pydantic import ValidationError
 
-from fusion_graph.chain import ChainExhausted, ChainLink, ProviderChain
+from fusion_graph.chain import Attempt, ChainExhausted, ChainLink, ProviderChain
 from fusion_graph.context import FusionContext
+from fusion_graph.estimate import Estimate
+from fusion_graph.health import MalformedAnswer
 from fusion_graph.records import answered_record, make_record
 from fusion_graph.routing import RouteDecision, StepSignals
 from fusion_graph.signals import build_prompt
@@ -90,77 +99,184 @@ def decision_event(
     }
 
 
+@dataclass(frozen=True)
+class Inference:
+    """One inference to run: what it is, where the router sent it, and on what.
+
+    Attributes:
+        kind: Plan, step or repair.
+        step: Index of the inference in its turn.
+        turn: Index of the turn.
+        decision: The router's (or repair rule's) decision, its reason extended by the fit rule.
+        signals: The step's routing signals (``None`` for repairs).
+        messages: The history to send (after the system prompt).
+        tools: Tools bound to the model.
+        context: The run's context.
+        prefer_provider: A provider to start at (repairs).
+    """
+
+    kind: StepKind
+    step: int
+    turn: int
+    decision: RouteDecision
+    signals: StepSignals | None
+    messages: Sequence[BaseMessage]
+    tools: Sequence[BaseTool]
+    context: FusionContext
+    prefer_provider: str | None = None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What bounds each attempt of an inference.
+
+    Attributes:
+        allowed: Ids of the links whose window can hold the request (``None``: every link).
+        windows: Each link's window by id; after a context overflow, only larger ones are tried.
+        estimates: The prompt estimate per leg, recorded next to the server's count.
+        max_tokens: The completion budget sent to each link (``max_tokens``), by id.
+        timeout_s: Seconds an attempt may take (``request_timeout``), injected models included.
+    """
+
+    allowed: frozenset[str] | None = None
+    windows: Mapping[str, int | None] = field(default_factory=dict)
+    estimates: Mapping[str, Estimate] = field(default_factory=dict)
+    max_tokens: Mapping[str, int] = field(default_factory=dict)
+    timeout_s: float | None = None
+
+
+class _Walk:
+    """The links an inference may still try: the fit rule's, and after an overflow only larger ones."""
+
+    def __init__(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self.overflowed: int | None = None
+
+    def saw(self, attempt: Attempt) -> None:
+        if attempt.kind == "context_overflow":
+            window = self.bounds.windows.get(attempt.provider) or 0
+            self.overflowed = max(self.overflowed or 0, window)
+
+    def fits(self, link: ChainLink) -> bool:
+        if self.bounds.allowed is not None and link.id not in self.bounds.allowed:
+            return False
+        if self.overflowed is None:
+            return True
+        window = self.bounds.windows.get(link.id)
+        return window is not None and window > self.overflowed
+
+
+async def _ask(
+    model: Runnable[Any, Any],
+    prompt: list[BaseMessage],
+    config: RunnableConfig,
+    link: ChainLink,
+    timeout_s: float | None,
+) -> Any:
+    """One model call within ``timeout_s``; a response the model cannot parse is a ``MalformedAnswer``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await model.ainvoke(prompt, config=config)
+    except TimeoutError as error:
+        raise TimeoutError(f"{link.id} gave no answer within request_timeout={timeout_s:g} s") from error
+    except (IndexError, ValidationError) as error:
+        raise MalformedAnswer(
+            f"{link.id} answered something that is not a chat completion ({type(error).__name__}: {error})"
+        ) from error
+
+
 async def infer(
+    call: Inference,
     *,
-    kind: StepKind,
-    step: int,
-    turn: int,
-    decision: RouteDecision,
-    signals: StepSignals | None,
     chain: ProviderChain,
     find_slot: SlotFinder,
-    messages: Sequence[BaseMessage],
-    tools: Sequence[BaseTool],
     runtime: Runtime[FusionContext],
-    context: FusionContext,
-    prefer_provider: str | None = None,
+    bounds: Bounds | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[AIMessage | None, RouteRecord, ChainExhausted | None]:
     """Run one inference through ``chain``, starting at the routed leg.
 
     The routed leg is only the preferred starting link: when it fails the
     chain falls over (possibly to the other leg) and the record says so. Slot
     fields are sent only to a local llama-server link, decided per link
-    actually called, never from whichever provider is "active".
+    actually called, never from whichever provider is "active". Links outside
+    ``bounds.allowed`` are never tried; a context overflow walks on to a link
+    with a larger window. ``extra`` joins the record's ``extra``.
 
     Returns:
         The answer (``None`` when every provider failed), the record, and the
         chain's ``ChainExhausted`` when every provider failed.
     """
+    bounds = bounds or Bounds()
+    decision = call.decision
     # Every inference of a thread sends the same system prompt, so the prefix is stable.
-    prompt = build_prompt(context.system_prompt, messages)
+    prompt = build_prompt(call.context.system_prompt, call.messages)
     slots: dict[str, int | None] = {}
     routed = next((link for link in chain.links if link.leg == decision.leg), None)
     planned_slot = await find_slot(routed) if routed is not None and routed.leg == "local" else None
     runtime.stream_writer(
-        decision_event(kind=kind, step=step, turn=turn, decision=decision, slot=planned_slot)
+        decision_event(kind=call.kind, step=call.step, turn=call.turn, decision=decision, slot=planned_slot)
     )
 
     async def invoke(link: ChainLink) -> AIMessage:
-        model = bound_model(link, tools)
+        model = bound_model(link, call.tools)
         slot = await find_slot(link) if link.leg == "local" else None
         body = slot_body(link.leg, slot)
+        kwargs: dict[str, Any] = {}
         if body is not None:
-            model = model.bind(extra_body=body)
+            own = getattr(link.model, "extra_body", None)  # a call's extra_body replaces the model's
+            kwargs["extra_body"] = {**own, **body} if isinstance(own, dict) else body
+        if link.id in bounds.max_tokens:
+            kwargs["max_tokens"] = bounds.max_tokens[link.id]
+        if kwargs:
+            model = model.bind(**kwargs)
         slots[link.id] = slot if body is not None else None
-        config = merge_configs(get_config(), _call_config(kind, decision, step, link))
-        answer = await model.ainvoke(prompt, config=config)
+        config = merge_configs(get_config(), _call_config(call.kind, decision, call.step, link))
+        answer = await _ask(model, prompt, config, link, bounds.timeout_s)
         return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
 
+    walk = _Walk(bounds)
     try:
-        outcome = await chain.call(invoke, preferred_leg=decision.leg, prefer_provider=prefer_provider)
+        outcome = await chain.call(
+            invoke,
+            preferred_leg=decision.leg,
+            prefer_provider=call.prefer_provider,
+            on_attempt=walk.saw,
+            fits=walk.fits,
+        )
     except ChainExhausted as exhausted:
         record = make_record(
-            turn=turn,
-            step=step,
-            kind=kind,
-            leg=decision.leg,
+            turn=call.turn,
+            step=call.step,
+            kind=call.kind,
             decision=decision,
-            signals=signals,
+            signals=call.signals,
+            leg=decision.leg,
             provider=None,
             answer=None,
             attempts=[asdict(attempt) for attempt in exhausted.attempts],
-            extra={"outcome": "exhausted", "retry_in_s": exhausted.retry_in_s},
+            extra={"outcome": "exhausted", "retry_in_s": exhausted.retry_in_s, **(extra or {})},
         )
         runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
         return None, record, exhausted
+    link = outcome.provider
+    sized: dict[str, Any] = {}
+    estimate = bounds.estimates.get(link.leg)
+    if estimate is not None:
+        sized = {"estimated_prompt_tokens": estimate.tokens, "estimate_basis": estimate.basis}
+    if link.id in bounds.windows:
+        sized["window"] = bounds.windows[link.id]
+    if link.id in bounds.max_tokens:
+        sized["max_tokens"] = bounds.max_tokens[link.id]
     record = answered_record(
         outcome,
-        turn=turn,
-        step=step,
-        kind=kind,
+        turn=call.turn,
+        step=call.step,
+        kind=call.kind,
         decision=decision,
-        signals=signals,
-        slot=slots.get(outcome.provider.id),
+        signals=call.signals,
+        slot=slots.get(link.id),
+        extra={**sized, **(extra or {})},
     )
     runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
     return outcome.answer, record, None

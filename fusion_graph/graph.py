@@ -43,6 +43,7 @@ from fusion_graph.resolver import ProviderResolver
 from fusion_graph.serial import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
 from fusion_graph.signals import TokenCounter, approximate_tokens
+from fusion_graph.sizing import Sizer
 from fusion_graph.state import InputState, State
 from fusion_graph.tools import make_workspace_tools
 from fusion_graph.turn import last_batch, pending_calls, wants_tools
@@ -105,10 +106,11 @@ def build_graph(
         raise ValueError("pass either a resolver or cloud_model/local_model/chain/settings, not both")
     tool_list = list(make_workspace_tools(settings=resolver.settings) if tools is None else tools)
     memory = MemoryNodes(resolver=resolver, jobs=memory_jobs, graph_name=GRAPH_NAME, tools=tool_list)
+    sizer = Sizer(resolver, tool_list, count_tokens)
     inference = InferenceNodes(
-        resolver=resolver, tools=tool_list, count_tokens=count_tokens, recall=memory.recall
+        resolver=resolver, tools=tool_list, count_tokens=count_tokens, recall=memory.recall, sizer=sizer
     )
-    route = RouteNode(count_tokens, {t.name: t for t in tool_list}, memory_on)
+    route = RouteNode(count_tokens, {t.name: t for t in tool_list}, memory_on, sizer)
 
     builder = StateGraph(State, context_schema=FusionContext, input_schema=InputState)
     builder.add_node("plan", inference.plan)

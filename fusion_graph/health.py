@@ -24,6 +24,7 @@ ErrorClass = Literal[
     "server_error",
     "misconfigured",
     "malformed_response",
+    "context_overflow",
     "bad_request",
     "other",
 ]
@@ -31,11 +32,67 @@ ErrorClass = Literal[
 HEALTH_FAILURES: frozenset[ErrorClass] = frozenset(
     {"rate_limited", "timeout", "connection", "server_error", "misconfigured", "malformed_response"}
 )
+#: ``context_overflow`` (the request is larger than this provider's window) is neither: it does not
+#: count against the provider, and the chain walks on to a link with a larger window.
 #: Errors that are not the provider's fault: re-raised as they are, never failed over.
 #: ``other`` (an unknown error, e.g. a bug in a tool binding) is not hidden behind a fallover.
 NO_FALLOVER: frozenset[ErrorClass] = frozenset({"bad_request", "other"})
 #: How langchain-openai words a body that is JSON but not a chat completion.
 _MALFORMED_HINTS = ("'choices'", "Unexpected response type")
+#: How servers say a request is larger than the context window: llama-server's error type and
+#: text, OpenAI's error code, and the usual wording of OpenAI-compatible servers.
+_OVERFLOW_HINTS = (
+    "exceed_context_size_error",
+    "exceeds the available context size",
+    "context_length_exceeded",
+    "maximum context length",
+)
+
+
+class MalformedAnswer(ValueError):
+    """A provider answered with something that is not a usable chat completion.
+
+    Empty ``choices``, a choice without a message, tool-call arguments that are
+    not a JSON string, or an answer the model's own parsing chokes on
+    (``IndexError``, a validation error). Classed ``malformed_response``: a
+    health failure, and the chain falls over.
+    """
+
+
+def context_overflow(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) says the request exceeds the provider's context window."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, _OVERFLOW_ERRORS):
+            return True
+        text = f"{current} {_attr(current, 'body')!r} {_attr(current, 'code')!r}"
+        if any(hint in text for hint in _OVERFLOW_HINTS):
+            return True
+        current = current.__cause__
+    return False
+
+
+def overflow_numbers(error: BaseException) -> tuple[int | None, int | None]:
+    """``(prompt tokens, window)`` a context-size error reports (llama-server: n_prompt_tokens, n_ctx)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        body = _attr(current, "body")
+        details = body.get("error", body) if isinstance(body, dict) else None
+        if isinstance(details, dict):
+            prompt, window = details.get("n_prompt_tokens"), details.get("n_ctx")
+            if isinstance(prompt, int) or isinstance(window, int):
+                return (
+                    prompt if isinstance(prompt, int) else None,
+                    window if isinstance(window, int) else None,
+                )
+        current = current.__cause__
+    return None, None
+
+
 #: Transient errors worth an in-place retry (a 429 waits out its Retry-After instead).
 RETRY_IN_PLACE: frozenset[ErrorClass] = frozenset({"timeout", "connection", "server_error"})
 
@@ -62,8 +119,9 @@ _KINDS: tuple[tuple[tuple[type[BaseException], ...], ErrorClass], ...] = (
     (_classes(_LC, "ModelRateLimitError"), "rate_limited"),
     (_classes(_LC, "ModelAPIError"), "server_error"),
     (_MISCONFIGURED, "misconfigured"),
-    (_classes(_LC, "ModelInvalidRequestError", "ContextOverflowError"), "bad_request"),
+    (_classes(_LC, "ModelInvalidRequestError"), "bad_request"),
 )
+_OVERFLOW_ERRORS = _classes(_LC, "ContextOverflowError")
 
 
 def _attr(obj: object, name: str) -> Any:
@@ -83,16 +141,23 @@ def status_code(error: BaseException) -> int | None:
 def classify(error: BaseException) -> ErrorClass:
     """Sort an inference error: is the provider at fault, and may another provider try?
 
-    A 4xx other than 401/403/404 (``misconfigured``), 408 and 429 is
-    ``bad_request``: the request itself is wrong and would fail anywhere.
-    A body that is not a chat completion is ``malformed_response`` (the
-    provider's fault). Unknown errors are ``other`` unless their ``__cause__``
-    says more.
+    A request larger than the provider's context window (llama-server's
+    context-size 400, OpenAI's ``context_length_exceeded``, langchain-core's
+    ``ContextOverflowError``) is ``context_overflow``: another provider with a
+    larger window may take it. Any other 4xx but 401/403/404
+    (``misconfigured``), 408 and 429 is ``bad_request``: the request itself is
+    wrong and would fail anywhere. A body that is not a chat completion
+    (``MalformedAnswer`` included) is ``malformed_response`` (the provider's
+    fault). Unknown errors are ``other`` unless their ``__cause__`` says more.
     """
+    if context_overflow(error):
+        return "context_overflow"
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        if isinstance(current, MalformedAnswer):
+            return "malformed_response"
         code = status_code(current)
         if code is not None and code >= 400:
             if code in (408, 429):

@@ -8,6 +8,8 @@ langchain-openai otherwise drops, in the answer's ``response_metadata``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -36,8 +38,32 @@ class NotLlamaServer(ValueError):
     """The local endpoint answers, but not as llama-server (no ``/props`` with ``total_slots``)."""
 
 
-async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
-    """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``).
+@dataclass(frozen=True)
+class ServerProps:
+    """What llama-server says about itself (``GET /props``).
+
+    Attributes:
+        total_slots: Parallel slots (its ``-np``).
+        slot_window: Tokens one slot holds (``-c / -np``, padded by llama.cpp), or ``None``
+            when the server does not say.
+    """
+
+    total_slots: int
+    slot_window: int | None
+
+
+def _slot_window(props: dict[str, Any], total: int) -> int | None:
+    """The per-slot context from ``/props``: ``default_generation_settings.n_ctx``, else ``n_ctx / total``."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    if isinstance(n_ctx, int) and n_ctx > 0:
+        return n_ctx  # per slot in current llama-server
+    whole = props.get("n_ctx")
+    return whole // total if isinstance(whole, int) and whole > 0 else None
+
+
+async def fetch_props(base_url: str, *, timeout: float = 5.0) -> ServerProps:
+    """Ask llama-server for its slots and per-slot window (``GET /props``).
 
     Raises:
         LlamaServerUnavailable: The server could not be reached.
@@ -55,14 +81,62 @@ async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
     if response.status_code >= 500:
         raise LlamaServerUnavailable(f"{url} answered {response.status_code}; is llama-server still loading?")
     try:
-        total = response.json().get("total_slots") if response.status_code == 200 else None
+        props = response.json() if response.status_code == 200 else None
     except ValueError:
-        total = None
-    if not isinstance(total, int) or total < 1:
+        props = None
+    total = props.get("total_slots") if isinstance(props, dict) else None
+    if not isinstance(props, dict) or not isinstance(total, int) or total < 1:
         raise NotLlamaServer(
             f"{url} did not report total_slots (HTTP {response.status_code}): not llama-server"
         )
-    return total
+    return ServerProps(total, _slot_window(props, total))
+
+
+async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
+    """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``).
+
+    Raises:
+        LlamaServerUnavailable: The server could not be reached.
+        NotLlamaServer: It answered, but is not llama-server.
+    """
+    return (await fetch_props(base_url, timeout=timeout)).total_slots
+
+
+async def count_prompt_tokens(
+    base_url: str,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] = (),
+    *,
+    timeout: float = 10.0,
+    client: httpx.AsyncClient | None = None,
+) -> int:
+    """Tokens llama-server makes of a chat request: ``/apply-template``, then ``/tokenize``.
+
+    ``messages`` and ``tools`` are OpenAI-format dicts, as sent to ``/v1/chat/completions``;
+    the count is the prompt the server would process (template, tools, special tokens).
+
+    Raises:
+        httpx.HTTPError: The server could not be reached or refused either call.
+    """
+    root = server_root(base_url)
+    body: dict[str, Any] = {"messages": list(messages)}
+    if tools:
+        body["tools"] = list(tools)
+    own = client is None
+    if client is None:
+        client = await asyncio.to_thread(httpx.AsyncClient, timeout=timeout)
+    try:
+        rendered = await client.post(root + "/apply-template", json=body)
+        rendered.raise_for_status()
+        prompt = rendered.json()["prompt"]
+        tokenized = await client.post(
+            root + "/tokenize", json={"content": prompt, "add_special": True, "parse_special": True}
+        )
+        tokenized.raise_for_status()
+        return len(tokenized.json()["tokens"])
+    finally:
+        if own:
+            await client.aclose()
 
 
 def timings_of(payload: Any) -> dict[str, Any] | None:

@@ -35,15 +35,12 @@ import logging
 import os
 import socket
 import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
-import httpx
-import openai
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
@@ -204,8 +201,8 @@ async def prime_reflection_slot(link: ChainLink, slot: int) -> bool:
             temperature=0,
             extra_body={"id_slot": slot, "cache_prompt": True},
         )
-    except (openai.OpenAIError, httpx.HTTPError) as error:
-        logger.debug("priming slot %s of %s failed: %s", slot, link.id, scrub(str(error)))
+    except Exception as error:  # noqa: BLE001 - priming only saves prefill; the job runs anyway
+        logger.debug("priming slot %s of %s failed: %s", slot, link.id, scrub(repr(error)))
         return False
     return True
 
@@ -222,6 +219,8 @@ class JobRunner:
         reflection_slot: The llama-server slot for jobs on a local link (``None``: not llama-server).
         max_tokens: Completion budget of one answer.
         config: Callbacks and tags of the run (``None`` for detached jobs).
+        prime: Prime the reflection slot before a local job (``bench/memory_warm.py`` measures
+            what turning it off costs).
     """
 
     chain: ProviderChain
@@ -231,6 +230,7 @@ class JobRunner:
     reflection_slot: SlotFor
     max_tokens: int
     config: RunnableConfig | None = None
+    prime: bool = True
 
 
 def _job_kwargs(
@@ -270,8 +270,11 @@ async def run_job(
     for attempt in range(2):
         reason = f"memory job {job.name} on the {runner.leg} leg (sub_runners={runner.leg})"
         decision = RouteDecision(leg=runner.leg, score=None, threshold=None, reason=reason)
+        prime = runner.prime and attempt == 0  # a repair continues the slot's own content
 
-        async def invoke(link: ChainLink, prompt: list[BaseMessage] = prompt) -> AIMessage:
+        async def invoke(
+            link: ChainLink, prompt: list[BaseMessage] = prompt, prime: bool = prime
+        ) -> AIMessage:
             slot = await runner.reflection_slot(link) if link.leg == "local" else None
             body = slot_body(link.leg, slot)
             slots[link.id] = slot if body is not None else None
@@ -283,7 +286,7 @@ async def run_job(
                 answer = await model.ainvoke(prompt, config=runner.config)
             else:
                 async with _slot_lock(link, slot):
-                    primed[link.id] = await prime_reflection_slot(link, slot)
+                    primed[link.id] = prime and await prime_reflection_slot(link, slot)
                     answer = await model.ainvoke(prompt, config=runner.config)
             return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
 
@@ -378,7 +381,6 @@ class Owner(TypedDict):
 
     host: str
     pid: int
-    token: str
 
 
 class JobEntry(TypedDict):
@@ -404,12 +406,11 @@ class JobEntry(TypedDict):
 
 
 _HOST = socket.gethostname()
-_TOKEN = uuid.uuid4().hex
 
 
 def this_process() -> Owner:
     """This process as a job owner."""
-    return Owner(host=_HOST, pid=os.getpid(), token=_TOKEN)
+    return Owner(host=_HOST, pid=os.getpid())
 
 
 def _owner_gone(owner: Owner) -> bool:
@@ -514,10 +515,12 @@ async def _search_all(
             return found
 
 
-async def thread_entries(store: BaseStore, ns: tuple[str, ...], thread_id: str) -> list[JobEntry]:
-    """The thread's runs that are pending or done (not yet folded), oldest first."""
+async def thread_entries(
+    store: BaseStore, ns: tuple[str, ...], thread_id: str, statuses: Sequence[str] = ("pending", "done")
+) -> list[JobEntry]:
+    """The thread's runs in ``statuses`` (by default: not yet folded into ``route_log``), oldest first."""
     found: list[SearchItem] = []
-    for status in ("done", "pending"):
+    for status in statuses:
         found += await _search_all(store, jobs_namespace(ns), {"thread_id": thread_id, "status": status})
     entries = [cast(JobEntry, item.value) for item in found]
     return sorted(entries, key=lambda e: (e["turn"], e["step"]))

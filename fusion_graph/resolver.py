@@ -21,7 +21,7 @@ from langchain_core.language_models import BaseChatModel
 from fusion_graph.chain import ChainLink, ProviderChain
 from fusion_graph.context import FusionContext
 from fusion_graph.health import HealthPolicy
-from fusion_graph.llama import LlamaServerUnavailable, NotLlamaServer, fetch_total_slots
+from fusion_graph.llama import LlamaServerUnavailable, NotLlamaServer, ServerProps, fetch_props
 from fusion_graph.pricing import Pricing, TokenPrices, check_price_like, pricing_for
 from fusion_graph.providers import Provider, build_cloud_model, build_local_model, model_name
 from fusion_graph.routing import Leg
@@ -29,6 +29,10 @@ from fusion_graph.settings import FusionSettings
 from fusion_graph.slots import SlotPool
 
 logger = logging.getLogger(__name__)
+
+#: The cloud window when neither the operator nor the model's profile says (most current cloud
+#: chat models hold at least this much).
+DEFAULT_CLOUD_WINDOW = 128_000
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class ProviderResolver:
         self._lock = asyncio.Lock()
         self._closed = False
         self._not_llama: set[str] = set()
+        self._props: dict[str, ServerProps] = {}
 
     def effective(self, context: FusionContext) -> FusionSettings:
         """The operator's settings as ``context`` may narrow them (``ContextError`` if it may not)."""
@@ -161,35 +166,77 @@ class ProviderResolver:
                 self._chains[key] = chain
         return chain
 
+    async def server_props(self, link: ChainLink) -> ServerProps | None:
+        """What a local llama-server link's server says about itself (``GET /props``), asked once.
+
+        ``None`` for a cloud link, a local server that is not llama-server (logged
+        once; it then runs without slot affinity) and one that cannot be reached
+        now (asked again next time; the call itself will then fail over, or
+        succeed if the server is back).
+        """
+        url = link.as_provider().base_url
+        if link.leg != "local" or url is None or url in self._not_llama:
+            return None
+        known = self._props.get(url)
+        if known is not None:
+            return known
+        try:
+            props = await fetch_props(url, timeout=min(self.settings.request_timeout, 10.0))
+        except NotLlamaServer as error:
+            logger.warning("%s; its slots and window are not known (set FUSION_LOCAL_SLOTS)", error)
+            self._not_llama.add(url)
+            return None
+        except LlamaServerUnavailable as error:
+            logger.warning("no slot or window for this call: %s", error)
+            return None
+        self._props[url] = props
+        return props
+
+    async def window(self, link: ChainLink) -> int | None:
+        """Tokens ``link`` holds per request (prompt + completion); ``None`` when unknown.
+
+        In order: the link's own ``window``; the operator's ``local_window_tokens`` /
+        ``cloud_window_tokens``; llama-server's per-slot context (``GET /props``, asked
+        once per server); ``max_input_tokens`` of the model's langchain-core profile;
+        for the cloud leg ``DEFAULT_CLOUD_WINDOW``. A local server that is none of
+        these has no known window (every step is assumed to fit it).
+        """
+        if link.window is not None:
+            return link.window
+        setting = (
+            self.settings.local_window_tokens if link.leg == "local" else self.settings.cloud_window_tokens
+        )
+        if setting:
+            return setting
+        props = await self.server_props(link)
+        if props is not None and props.slot_window is not None:
+            return props.slot_window
+        profile = link.model.profile or {}
+        limit = profile.get("max_input_tokens")
+        if isinstance(limit, int) and limit > 0:
+            return limit
+        return DEFAULT_CLOUD_WINDOW if link.leg == "cloud" else None
+
     async def slot_pool(self, link: ChainLink, context: FusionContext) -> SlotPool | None:
         """The slot pool of a local llama-server link, or ``None`` for anything else.
 
         The slot count is ``local_slots`` when set, else the server's own
-        ``total_slots`` (asked once per base URL). A local server that is not
-        llama-server (no ``/props``) runs without slot affinity; one that cannot
-        be reached gets no slot for this call (the call itself will then fail
-        over, or succeed if the server is back).
+        ``total_slots`` (``server_props``, asked once per base URL). Without
+        ``local_slots``, a local server that is not llama-server (no ``/props``)
+        runs without slot affinity and one that cannot be reached gets no slot
+        for this call.
         """
         settings = self.settings
         url = link.as_provider().base_url
-        if link.leg != "local" or url is None or url in self._not_llama:
+        total = settings.local_slots  # the operator's count wins, whatever /props says
+        if link.leg != "local" or url is None or (url in self._not_llama and not total):
             return None
         reserve = settings.reserve_reflection_slot
-        if not settings.local_slots:
-            known = [pool for (u, _, r), pool in self._pools.items() if u == url and r == reserve]
-            if known:
-                return known[0]
-        total = settings.local_slots
         if not total:
-            try:
-                total = await fetch_total_slots(url, timeout=min(settings.request_timeout, 10.0))
-            except NotLlamaServer as error:
-                logger.warning("%s; local steps run without slot affinity", error)
-                self._not_llama.add(url)
+            props = await self.server_props(link)
+            if props is None:
                 return None
-            except LlamaServerUnavailable as error:
-                logger.warning("no slot for this call: %s", error)
-                return None
+            total = props.total_slots
         key = (url, total, reserve)
         if key not in self._pools:
             self._pools[key] = SlotPool(total, reserve_reflection=reserve)

@@ -13,7 +13,7 @@ be circular. Do not add it here; it belongs in the route log, not the score.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from typing import Literal
 
@@ -40,7 +40,9 @@ class StepSignals:
 
     Attributes:
         prompt_tokens: Estimated tokens of the prompt about to be sent.
-        conversation_max_tokens: Context budget of the conversation.
+        conversation_max_tokens: Context budget of the conversation (by default the
+            local window less the completion budget: pressure 1 means the step no
+            longer fits llama-server's slot).
         step: Index of the step within the turn (the plan is step 0).
         max_steps: Step limit of the turn.
         transient_notice: The loop detector fired or a batch was trimmed since
@@ -110,12 +112,15 @@ def score_step(signals: StepSignals) -> StepScore:
     """Score one step from 0 (mechanical) to 100 (needs the strongest model).
 
     ``40 × context pressure + 25 × turn depth + 20 × transient notice + 15 × tail growth``,
-    each ratio clipped to [0, 1]. See the module docstring for why cached
-    tokens are not an input.
+    each ratio clipped to [0, 1]. Turn depth is ``step / (max_steps - 1)``: the
+    last step a turn may run (index ``max_steps - 1``) has depth 1, so a step
+    that fills the context budget with tool output at the end of a turn scores
+    ``40 + 25 + 15 = 80`` without a notice, which reaches ``T + h`` at the
+    defaults. See the module docstring for why cached tokens are not an input.
     """
     ratios = {
         "context_pressure": _ratio(signals.prompt_tokens, signals.conversation_max_tokens),
-        "turn_depth": _ratio(signals.step, signals.max_steps),
+        "turn_depth": _ratio(signals.step, signals.max_steps - 1),
         "transient_notice": 1.0 if signals.transient_notice else 0.0,
         "tail_growth": _ratio(signals.tool_output_tokens, signals.stable_prefix_tokens),
     }
@@ -167,6 +172,69 @@ def check_score_quantiles(table: Sequence[float]) -> tuple[float, ...]:
     return values
 
 
+@dataclass(frozen=True)
+class Pace:
+    """What the paced dial knows of a thread: its slack and the continuation steps routed so far.
+
+    ``steps`` counts the continuation steps the router has sent (plans, repairs
+    and memory jobs are not counted) and ``cloud`` those it sent to cloud.
+    ``turn.pace_of`` reads both from the thread's route log, which replay
+    rebuilds the same way, so the graph, replay and calibration count alike.
+    """
+
+    slack: float
+    """How many steps the cloud count may drift from ``cloud_share`` percent (at least 0.5)."""
+    steps: int = 0
+    cloud: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse a slack below half a step and counts that cannot happen."""
+        if not 0.5 <= self.slack <= 100:
+            raise ValueError(f"the pace slack must be between 0.5 and 100 steps, got {self.slack}")
+        if not 0 <= self.cloud <= self.steps:
+            raise ValueError(f"pace counts need 0 <= cloud <= steps, got {self.cloud} of {self.steps}")
+
+    def after(self, leg: Leg) -> Pace:
+        """The pace once one more continuation step has been sent to ``leg``."""
+        return Pace(self.slack, self.steps + 1, self.cloud + (leg == "cloud"))
+
+
+def paced_leg(pace: Pace, cloud_share: int) -> Leg | None:
+    """The leg the paced dial imposes on the next continuation step, or ``None`` to let the score pick.
+
+    The thread's cloud count is kept within ``pace.slack`` steps of ``cloud_share``
+    percent of its continuation steps: cloud when staying local would leave it
+    more than the slack behind, local when going cloud would put it more than
+    the slack ahead. A slack of 0.5 pins the count to the nearest whole step (the
+    score picks only at exact ties); a wider slack leaves the score more steps to
+    place, and the cloud fraction strays by up to ``slack / steps``.
+    """
+    behind = cloud_share * (pace.steps + 1) - 100 * pace.cloud  # hundredths of a step, if this step is local
+    if behind > 100 * pace.slack:
+        return "cloud"
+    if 100 - behind > 100 * pace.slack:  # hundredths of a step ahead, if this step is cloud
+        return "local"
+    return None
+
+
+def _paced(decision: RouteDecision, pace: Pace | None, cloud_share: int) -> RouteDecision:
+    """``decision`` (the band's), overruled where ``paced_leg`` imposes the other leg; the reason says so."""
+    forced = None if pace is None else paced_leg(pace, cloud_share)
+    if pace is None or forced is None or forced == decision.leg:
+        return decision
+    if forced == "cloud":
+        gap = (cloud_share * (pace.steps + 1) - 100 * pace.cloud) / 100
+        why = f"staying local would leave the thread {gap:g} step{'' if gap == 1 else 's'} behind"
+    else:
+        gap = (100 * (pace.cloud + 1) - cloud_share * (pace.steps + 1)) / 100
+        why = f"going cloud would put the thread {gap:g} step{'' if gap == 1 else 's'} ahead of"
+    reason = (
+        f"{decision.reason}; paced to {forced}: {pace.cloud} of {pace.steps} continuation steps on "
+        f"cloud, {why} {cloud_share}% (slack {pace.slack:g})"
+    )
+    return replace(decision, leg=forced, reason=reason)
+
+
 def decide_leg(
     *,
     mode: Mode,
@@ -176,6 +244,7 @@ def decide_leg(
     cloud_share: int = DEFAULT_CLOUD_SHARE,
     hysteresis: int = DEFAULT_HYSTERESIS,
     score_quantiles: Sequence[float] | None = None,
+    pace: Pace | None = None,
 ) -> RouteDecision:
     """Pick the leg of one step.
 
@@ -191,6 +260,11 @@ def decide_leg(
     (``StepScore.points``); the table was learned with the same band, so
     ``cloud_share`` is then the share of continuation steps that go to cloud.
 
+    With a ``pace`` (the paced dial, ``FusionContext.pace_slack``), the band's
+    choice stands unless it would take the thread's count of cloud continuation
+    steps more than ``pace.slack`` steps away from ``cloud_share`` percent of its
+    continuation steps (``paced_leg``); the plan and the ends of the dial are unchanged.
+
     The hysteresis keeps runs of local steps long: llama-server reuses its KV
     cache by longest common prefix, so flipping legs every step would make it
     reprocess the tail that grew while the other leg ran.
@@ -204,6 +278,8 @@ def decide_leg(
         hysteresis: Half-width of the dead band around the threshold.
         score_quantiles: A calibrated dial (``check_score_quantiles``); ``None``
             keeps the design's rule.
+        pace: The thread's continuation steps so far and the slack; ``None``
+            leaves every continuation step to the score.
     """
     if not 0 <= cloud_share <= 100:
         raise ValueError(f"cloud_share must be between 0 and 100, got {cloud_share}")
@@ -238,12 +314,12 @@ def decide_leg(
         threshold = stay_down_to
         if value >= threshold:
             reason = f"score {shown} >= {threshold:g} ({label} - h={half:g}): stay on cloud"
-            return RouteDecision("cloud", score, threshold, reason)
+            return _paced(RouteDecision("cloud", score, threshold, reason), pace, cloud_share)
         reason = f"score {shown} < {threshold:g} ({label} - h={half:g}): back to local"
-        return RouteDecision("local", score, threshold, reason)
+        return _paced(RouteDecision("local", score, threshold, reason), pace, cloud_share)
     threshold = escalate_at
     if value >= threshold:
         reason = f"score {shown} >= {threshold:g} ({label} + h={half:g}): escalate to cloud"
-        return RouteDecision("cloud", score, threshold, reason)
+        return _paced(RouteDecision("cloud", score, threshold, reason), pace, cloud_share)
     reason = f"score {shown} < {threshold:g} ({label} + h={half:g}): stay local"
-    return RouteDecision("local", score, threshold, reason)
+    return _paced(RouteDecision("local", score, threshold, reason), pace, cloud_share)

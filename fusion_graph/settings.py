@@ -66,6 +66,16 @@ class FusionSettings(BaseSettings):
         description="Keep llama-server's last slot for memory sub-runners so they never evict a "
         "conversation's cached prefix.",
     )
+    local_window_tokens: Annotated[int, *between(0, 10_000_000)] = Field(
+        0,
+        description="Tokens one llama-server slot holds (prompt + completion). 0 asks the server "
+        "(GET /props -> default_generation_settings.n_ctx, i.e. -c / -np).",
+    )
+    cloud_window_tokens: Annotated[int, *between(0, 10_000_000)] = Field(
+        0,
+        description="Tokens the cloud model holds per request. 0 takes max_input_tokens from the "
+        "model's langchain-core profile, else 128000.",
+    )
     provider_allowed_failures: Annotated[int, *between(0, 100)] = Field(
         2,
         description="Health failures (timeouts, connection errors, 5xx) a provider may have within the "

@@ -63,6 +63,27 @@ class RouteChoice(TypedDict):
     threshold: float | None
     reason: str
     signals: dict[str, Any]
+    estimates: NotRequired[dict[str, dict[str, Any]]]
+    """The prompt estimate per leg the decision used (``estimate.Estimate`` as a dict)."""
+
+
+class PromptAnchor(TypedDict):
+    """What a leg's server last reported for this thread: the base of the next estimate.
+
+    The next step on that leg is estimated as ``prompt_tokens`` plus an estimate
+    of only the messages appended since, so the tokenizer, the chat template and
+    the tool schemas are counted the way that server counts them.
+    """
+
+    prompt_tokens: int
+    """The server's ``prompt_tokens`` for the request."""
+    messages: int
+    """How many state messages that request carried (after the system prompt)."""
+    last_id: str | None
+    """Id of the last of them: a history changed under the anchor (compaction) voids it."""
+    fingerprint: str
+    """System prompt and tool schemas the request carried (another run context voids it)."""
+    provider: str
 
 
 class Stall(TypedDict):
@@ -119,3 +140,7 @@ class State(InputState):
     """The decision for the next continuation step, written by the ``route`` node."""
     stall: NotRequired[Stall | None]
     """Set when every provider failed an inference; resuming the thread retries it."""
+    # NOTE: per leg, the last server-reported prompt size of this thread; kept in state so it
+    # survives checkpoints and process restarts (``fusion_graph.estimate``).
+    anchors: NotRequired[dict[str, PromptAnchor]]
+    """Per leg: the prompt tokens its server last reported and the messages they covered."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import ToolCall
+from langchain_core.tools import BaseTool
 
 from fusion_graph.context import FusionContext
-from fusion_graph.routing import Leg, RouteDecision, StepScore, StepSignals, decide_leg, score_step
-from fusion_graph.signals import TokenCounter, approximate_tokens, step_signals, turn_start
+from fusion_graph.estimate import Estimate
+from fusion_graph.fit import conversation_budget
+from fusion_graph.routing import Leg, Pace, RouteDecision, StepScore, StepSignals, decide_leg, score_step
+from fusion_graph.signals import CUT_KEY, TokenCounter, approximate_tokens, step_signals, turn_start
 from fusion_graph.state import RouteChoice, State
 
 
@@ -54,6 +57,28 @@ def next_step(state: State) -> int:
     return state.get("step", 0) + 1
 
 
+def pace_of(state: State, context: FusionContext) -> Pace | None:
+    """The paced dial's tally of the thread, read from its route log (``None`` when not paced).
+
+    It counts the continuation steps the router sent (``kind == "step"``) and
+    those it sent to cloud by ``routed_leg``: a cloud step that fell over to
+    local still used its share, so an outage is not followed by a burst of cloud
+    steps. Replay rebuilds the route log, so it counts the same records.
+    """
+    if context.pace_slack is None:
+        return None
+    routed = [r["routed_leg"] for r in state.get("route_log", []) if r["kind"] == "step"]
+    return Pace(context.pace_slack, len(routed), routed.count("cloud"))
+
+
+def output_cut(messages: Sequence[BaseMessage]) -> bool:
+    """Whether a tool result of the batch in progress was cut to ``max_tool_output_tokens``."""
+    index = _batch_index(messages)
+    if index is None:
+        return False
+    return any(isinstance(m, ToolMessage) and CUT_KEY in m.response_metadata for m in messages[index + 1 :])
+
+
 def route_step(
     state: State,
     context: FusionContext,
@@ -62,16 +87,29 @@ def route_step(
     notice: bool,
     current_leg: Leg | None,
     count_tokens: TokenCounter = approximate_tokens,
+    prompt_tokens: int | None = None,
+    budget: int | None = None,
+    tools: Sequence[BaseTool] = (),
 ) -> tuple[RouteDecision, StepSignals]:
-    """Measure the signals of ``step`` on ``state``'s messages, score them and pick the leg."""
+    """Measure the signals of ``step`` on ``state``'s messages, score them and pick the leg.
+
+    ``prompt_tokens`` is the graph's estimate of the prompt (anchored on the
+    server's report); without it the prompt is estimated, ``tools`` included.
+    ``budget`` is the context budget (``fit.conversation_budget``); without it,
+    ``conversation_max_tokens`` or the fallback for an unknown window.
+    """
+    if budget is None:
+        budget = conversation_budget(context.conversation_max_tokens, None, context.max_completion_tokens)
     signals = step_signals(
         system_prompt=context.system_prompt,
         messages=state["messages"],
         step=step,
         max_steps=context.max_steps,
-        conversation_max_tokens=context.conversation_max_tokens,
+        conversation_max_tokens=budget,
         notice=notice,
         count_tokens=count_tokens,
+        tools=tools,
+        prompt_tokens=prompt_tokens,
     )
     decision = decide_leg(
         mode=context.mode,
@@ -81,33 +119,71 @@ def route_step(
         cloud_share=context.cloud_share,
         hysteresis=context.hysteresis,
         score_quantiles=context.score_quantiles,
+        pace=pace_of(state, context),
     )
     return decision, signals
 
 
 def continuation_route(
-    state: State, context: FusionContext, count_tokens: TokenCounter = approximate_tokens
+    state: State,
+    context: FusionContext,
+    count_tokens: TokenCounter = approximate_tokens,
+    *,
+    prompt_tokens: int | None = None,
+    budget: int | None = None,
+    tools: Sequence[BaseTool] = (),
 ) -> tuple[RouteDecision, StepSignals]:
-    """Score and route the next continuation step (the ``route`` node and replay call this)."""
+    """Score and route the next continuation step (the ``route`` node and replay call this).
+
+    The notice term fires for a trimmed batch, the loop detector, or a tool
+    result cut to ``max_tool_output_tokens``.
+    """
     return route_step(
         state,
         context,
         step=next_step(state),
-        notice=state.get("notice", False),
+        notice=state.get("notice", False) or output_cut(state["messages"]),
         current_leg=state.get("leg"),
         count_tokens=count_tokens,
+        prompt_tokens=prompt_tokens,
+        budget=budget,
+        tools=tools,
     )
 
 
 def plan_route(
-    state: State, context: FusionContext, count_tokens: TokenCounter = approximate_tokens
+    state: State,
+    context: FusionContext,
+    count_tokens: TokenCounter = approximate_tokens,
+    *,
+    prompt_tokens: int | None = None,
+    budget: int | None = None,
+    tools: Sequence[BaseTool] = (),
 ) -> tuple[RouteDecision, StepSignals]:
     """Route step 0 (the plan): cloud whenever ``cloud_share > 0`` in fusion."""
-    return route_step(state, context, step=0, notice=False, current_leg=None, count_tokens=count_tokens)
+    return route_step(
+        state,
+        context,
+        step=0,
+        notice=False,
+        current_leg=None,
+        count_tokens=count_tokens,
+        prompt_tokens=prompt_tokens,
+        budget=budget,
+        tools=tools,
+    )
 
 
-def choice_of(step: int, decision: RouteDecision, signals: StepSignals) -> RouteChoice:
-    """A decision as plain, checkpointable data, for the executor that acts on it."""
+def choice_of(
+    step: int,
+    decision: RouteDecision,
+    signals: StepSignals,
+    estimates: Mapping[str, Estimate] | None = None,
+) -> RouteChoice:
+    """A decision as plain, checkpointable data, for the executor that acts on it.
+
+    ``estimates``: the prompt estimate per leg the decision was measured with.
+    """
     score = decision.score
     breakdown = None
     if score is not None:
@@ -117,7 +193,7 @@ def choice_of(step: int, decision: RouteDecision, signals: StepSignals) -> Route
             "transient_notice": score.transient_notice,
             "tail_growth": score.tail_growth,
         }
-    return RouteChoice(
+    choice = RouteChoice(
         step=step,
         leg=decision.leg,
         score=score.score if score is not None else None,
@@ -126,6 +202,9 @@ def choice_of(step: int, decision: RouteDecision, signals: StepSignals) -> Route
         reason=decision.reason,
         signals=dict(vars(signals)),
     )
+    if estimates:
+        choice["estimates"] = {leg: estimate.as_dict() for leg, estimate in estimates.items()}
+    return choice
 
 
 def decision_of(choice: RouteChoice) -> tuple[RouteDecision, StepSignals]:
@@ -138,3 +217,10 @@ def decision_of(choice: RouteChoice) -> tuple[RouteDecision, StepSignals]:
     )
     decision = RouteDecision(choice["leg"], score, choice["threshold"], choice["reason"])
     return decision, StepSignals(**choice["signals"])
+
+
+def handed_estimates(choice: RouteChoice | None) -> dict[str, Estimate] | None:
+    """The per-leg estimates a ``route`` decision was measured with (``None``: not handed over)."""
+    if choice is None or "estimates" not in choice:
+        return None
+    return {leg: Estimate.from_dict(data) for leg, data in choice["estimates"].items()}

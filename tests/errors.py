@@ -58,3 +58,33 @@ def caused(error: BaseException) -> BaseException:
     wrapper = RuntimeError("wrapped")
     wrapper.__cause__ = error
     return wrapper
+
+
+#: llama-server's answer to a request larger than the slot (HTTP 400).
+LLAMA_OVERFLOW_BODY = {
+    "error": {
+        "code": 400,
+        "message": (
+            "request (4019 tokens) exceeds the available context size (2048 tokens), try increasing it"
+        ),
+        "type": "exceed_context_size_error",
+        "n_prompt_tokens": 4019,
+        "n_ctx": 2048,
+    }
+}
+
+
+def llama_overflow() -> openai.BadRequestError:
+    """The openai SDK's error for llama-server's context-size 400."""
+    return openai.BadRequestError(
+        f"Error code: 400 - {LLAMA_OVERFLOW_BODY}", response=response(400), body=LLAMA_OVERFLOW_BODY
+    )
+
+
+def openai_overflow() -> openai.BadRequestError:
+    """OpenAI's own wording of a prompt past the model's context length."""
+    body = {
+        "message": "This model's maximum context length is 128000 tokens.",
+        "code": "context_length_exceeded",
+    }
+    return openai.BadRequestError(f"Error code: 400 - {body}", response=response(400), body=body)

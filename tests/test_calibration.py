@@ -13,6 +13,7 @@ import pytest
 from fusion_graph.calibration import (
     CalibrationError,
     ScoredStep,
+    ShareCount,
     Trace,
     best_plain_share,
     calibrate,
@@ -28,8 +29,11 @@ from fusion_graph.calibration import (
     split_halves,
 )
 from fusion_graph.context import FusionContext
-from fusion_graph.routing import QUANTILE_TABLE_LENGTH, StepScore
+from fusion_graph.records import make_record
+from fusion_graph.routing import QUANTILE_TABLE_LENGTH, Leg, Pace, RouteDecision, StepScore
+from fusion_graph.state import RouteRecord, State, StepKind
 from fusion_graph.traces import load_trajectories, replay_trajectory
+from fusion_graph.turn import pace_of
 
 
 def points(value: float) -> StepScore:
@@ -118,9 +122,69 @@ def test_fast_fraction_agrees_with_decide_leg(seed: int) -> None:
         assert fraction_at(pairs, bar, hysteresis) == share_of(traces, context).fraction
 
 
+def test_a_pace_counts_each_trajectory_on_its_own() -> None:
+    # Two one-turn trajectories of 5 low-scoring steps at 40 %: each gets its own 2 cloud steps,
+    # whereas a count carried over from the first would change the second.
+    traces: list[Trace] = [
+        [ScoredStep(0, points(1.0)), *(ScoredStep(k, points(2.0)) for k in range(1, 6))]
+    ] * 2
+    context = dataclasses.replace(with_table((50.0,) * QUANTILE_TABLE_LENGTH, 40), pace_slack=0.5)
+    for trace in traces:
+        legs = [d.leg for d in route_scores(trace, context)]
+        assert legs[1:].count("cloud") == 2
+    assert share_of(traces, context) == ShareCount(10, 4)
+    assert share_of(traces, dataclasses.replace(context, pace_slack=None)) == ShareCount(10, 0)
+
+
 def test_no_continuation_steps_is_an_error() -> None:
     with pytest.raises(CalibrationError, match="no continuation steps"):
         fit_quantiles([[ScoredStep(0, points(3.0))]], hysteresis=10)
+
+
+@pytest.mark.parametrize("slack", [0.5, 1.0])
+def test_a_paced_table_holds_every_trajectory_within_the_slack(slack: float) -> None:
+    traces = random_traces(3, count=30)
+    table = fit_quantiles(traces, 10)
+    for share in (10, 30, 50):
+        context = dataclasses.replace(with_table(table, share), pace_slack=slack)
+        for trace in traces:
+            count = share_of([trace], context)
+            assert abs(count.cloud - share / 100 * count.steps) <= slack + 1e-9, (share, count)
+        total = share_of(traces, context)
+        assert abs(total.fraction - share / 100) <= slack * len(traces) / total.steps
+
+
+def leveled_traces(seed: int, levels: tuple[float, float], count: int = 20) -> list[Trace]:
+    """One-turn trajectories of 4-12 steps whose scores sit around a level of their own.
+
+    Steps of one trajectory rise and fall together, as on real traces: the level is drawn per
+    trajectory from ``levels``, each step adds a little noise.
+    """
+    rng = random.Random(seed)
+    traces: list[Trace] = []
+    for _ in range(count):
+        level = rng.uniform(*levels)
+        steps = [ScoredStep(0, points(1.0))]
+        for step in range(1, rng.randint(4, 12)):
+            steps.append(ScoredStep(step, points(round(min(max(level + rng.uniform(-3, 3), 0), 100), 2))))
+        traces.append(steps)
+    return traces
+
+
+def test_a_pace_holds_the_share_on_trajectories_the_table_was_not_fitted_on() -> None:
+    # Fitted on trajectories scoring 5-25, replayed on ones scoring 20-40: the table alone sends
+    # far more than its share to cloud; the paced dial holds each trajectory within its slack.
+    seen, unseen = leveled_traces(1, (5, 25)), leveled_traces(2, (20, 40))
+    table = fit_quantiles(seen, 10)
+    for slack in (None, 0.5):
+        context = dataclasses.replace(with_table(table, 30), pace_slack=slack)
+        assert abs(share_of(seen, context).fraction - 0.3) <= 0.03  # in sample, both hold
+        count = share_of(unseen, context)
+        if slack is None:
+            assert count.fraction - 0.3 > 0.2
+        else:  # each of the 20 trajectories within half a step of 30 % of its own steps
+            assert abs(count.cloud - 0.3 * count.steps) <= 0.5 * len(unseen)
+            assert abs(count.fraction - 0.3) <= 0.05
 
 
 # --------------------------------------------------------------------------- calibrate
@@ -135,6 +199,18 @@ def test_calibrate_returns_the_context_to_run_with() -> None:
     assert found.context.score_quantiles is not None
     assert found.achieved == share_of(traces, found.context).fraction
     assert abs(found.achieved - 0.25) <= 3 / found.continuation_steps
+    assert found.context.pace_slack is None  # the context's pace (none) is kept
+
+
+def test_calibrate_keeps_the_contexts_pace_and_fits_the_table_without_it() -> None:
+    traces = random_traces(7, count=40)
+    found = calibrate(traces, 0.25, FusionContext(pace_slack=0.5))
+    assert found.context.pace_slack == 0.5
+    assert found.context.score_quantiles == fit_quantiles(traces, 10)
+    assert found.achieved == share_of(traces, found.context).fraction
+    # The design-rule baseline is the plain dial: no table, no pace.
+    paced_plain = best_plain_share(traces, 0.25, FusionContext(pace_slack=0.5))
+    assert paced_plain == best_plain_share(traces, 0.25, FusionContext())
 
 
 @pytest.mark.parametrize(("target", "share"), [(0.0, 0), (0.204, 20), (0.5, 50), (1.0, 100)])
@@ -189,9 +265,12 @@ def write_traces(path: Path) -> Path:
     return path
 
 
-def test_route_scores_equals_route_history_under_a_calibrated_dial(tmp_path: Path) -> None:
+@pytest.mark.parametrize("slack", [None, 0.5, 1.0])
+def test_route_scores_equals_route_history_under_a_calibrated_dial(
+    tmp_path: Path, slack: float | None
+) -> None:
     trajectories = load_trajectories([write_traces(tmp_path / "tiny.jsonl")])
-    base = FusionContext(conversation_max_tokens=2048)
+    base = FusionContext(conversation_max_tokens=2048, pace_slack=slack)
     scored = [scored_steps(replay_trajectory(t, base).steps) for t in trajectories]
     table = fit_quantiles(scored, base.hysteresis)
     for share in (10, 40, 70):
@@ -202,6 +281,40 @@ def test_route_scores_equals_route_history_under_a_calibrated_dial(tmp_path: Pat
             assert [d.threshold for d in route_scores(trace, context)] == [
                 s.decision.threshold for s in replayed
             ]
+
+
+# --------------------------------------------------------------------------- the graph's count
+
+
+def record(kind: StepKind, routed: Leg, answered: Leg | None = None) -> RouteRecord:
+    decision = RouteDecision(routed, None, None, "test")
+    return make_record(
+        turn=0,
+        step=1,
+        kind=kind,
+        leg=answered or routed,
+        decision=decision,
+        signals=None,
+        provider=None,
+        answer=None,
+    )
+
+
+def test_pace_of_counts_the_routers_continuation_steps_in_the_route_log() -> None:
+    log = [
+        record("plan", "cloud"),
+        record("step", "local"),
+        record("step", "cloud"),
+        record("repair", "cloud"),  # kept on the leg that made the malformed call: not routed
+        record("memory", "local"),
+        record("step", "cloud", answered="local"),  # fell over: the router's choice is what counts
+        record("plan", "cloud"),
+        record("step", "local"),
+    ]
+    state: State = {"messages": [], "route_log": log}
+    assert pace_of(state, FusionContext(pace_slack=0.5)) == Pace(0.5, steps=4, cloud=2)
+    assert pace_of({"messages": []}, FusionContext(pace_slack=2)) == Pace(2, steps=0, cloud=0)
+    assert pace_of(state, FusionContext()) is None  # the default context does not pace
 
 
 # --------------------------------------------------------------------------- evaluation helpers
@@ -244,3 +357,11 @@ def test_context_takes_a_table_as_json_text() -> None:
 def test_context_refuses_a_decreasing_table() -> None:
     with pytest.raises(ValueError, match="non-decreasing"):
         FusionContext(score_quantiles=(50.0, *([1.0] * 100)))
+
+
+def test_the_pace_is_off_by_default_and_checked() -> None:
+    assert FusionContext().pace_slack is None
+    assert FusionContext(pace_slack="").pace_slack is None  # type: ignore[arg-type]  # an empty FUSION_PACE_SLACK
+    assert FusionContext(pace_slack="1.5").pace_slack == 1.5  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"between 0\.5 and 100"):
+        FusionContext(pace_slack=0.2)

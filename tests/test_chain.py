@@ -30,7 +30,7 @@ from fusion_graph.pricing import FREE, Pricing
 from fusion_graph.providers import Provider
 from fusion_graph.routing import Leg
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
-from tests.errors import EPOCH, URL, bad_request, rate_limited, refused, request, response
+from tests.errors import EPOCH, URL, bad_request, llama_overflow, rate_limited, refused, request, response
 
 # Fakes ------------------------------------------------------------------------
 
@@ -349,6 +349,49 @@ async def test_bad_request_is_reraised_not_failed_over() -> None:
     assert [(a.kind, a.health_failure) for a in seen] == [("bad_request", False)]
     assert any("local:b" in note for note in raised.value.__notes__)
     assert chain.health("local:b").state(0.0) == "healthy"
+
+
+async def test_links_that_cannot_hold_the_request_are_skipped_like_cooling_ones() -> None:
+    chain, script = make_chain("cloud:a", "local:b", "local:c"), Script()
+    outcome = await chain.call(script, preferred_leg="local", fits=lambda x: x.id != "local:b")
+    assert (outcome.provider.id, outcome.preferred) == ("local:c", True), "the first local link that fits"
+    script = Script()
+    outcome = await chain.call(script, preferred_leg="local", fits=lambda x: x.leg == "cloud")
+    assert (outcome.provider.id, outcome.preferred, script.calls) == ("cloud:a", False, ["cloud:a"])
+    chain.set_override("local:b")
+    outcome = await chain.call(Script(), fits=lambda x: x.id != "local:b")
+    assert outcome.provider.id == "cloud:a", "an override that cannot hold the request is not the start"
+
+
+async def test_a_context_overflow_walks_on_without_hurting_health() -> None:
+    seen: list[Attempt] = []
+    chain = make_chain("local:b", "cloud:a", policy=TRIP_AT_ONCE)
+    script = Script(local_b=[llama_overflow()])
+    outcome = await chain.call(script, preferred_leg="local", on_attempt=seen.append)
+    assert outcome.provider.id == "cloud:a"
+    assert [(a.kind, a.health_failure, a.prompt_tokens) for a in seen] == [("context_overflow", False, 4019)]
+    assert chain.health("local:b").state(0.0) == "healthy", "a too-large request is not the server's fault"
+
+
+async def test_fits_is_asked_again_after_each_failure() -> None:
+    overflowed: list[str] = []
+    chain = make_chain("local:b", "cloud:a", "cloud:z")
+    script = Script(local_b=[llama_overflow()])
+
+    def fits(link: ChainLink) -> bool:  # after an overflow, only the larger window is tried
+        return not overflowed or link.id == "cloud:z"
+
+    outcome = await chain.call(
+        script, preferred_leg="local", on_attempt=lambda a: overflowed.append(a.provider), fits=fits
+    )
+    assert (outcome.provider.id, script.calls) == ("cloud:z", ["local:b", "cloud:z"])
+
+
+async def test_nothing_that_fits_is_exhausted_without_calling() -> None:
+    script = Script()
+    with pytest.raises(ChainExhausted):
+        await make_chain("cloud:a", "local:b").call(script, fits=lambda x: False)
+    assert script.calls == []
 
 
 async def test_every_provider_failing_raises_chain_exhausted() -> None:

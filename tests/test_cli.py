@@ -181,10 +181,13 @@ def test_calibrate_hits_the_target_and_replay_agrees(tmp_path: Path) -> None:
     )
     assert out["target"] == 0.3
     assert out["continuation_steps"] == sum(2 + i % 5 for i in range(20))
-    assert abs(out["achieved"] - 0.3) <= 0.03
+    # Paced, each conversation holds the nearest whole step to 30 % of its 2-6 steps (0.6 -> 1,
+    # 0.9 -> 1, 1.2 -> 1, 1.5 -> 1 or 2, 1.8 -> 2): 0.3 plus what that rounding adds up to.
+    assert 0.3 <= out["achieved"] <= 0.35
     context = out["context"]
     assert (context["cloud_share"], context["hysteresis"], context["max_steps"]) == (30, 10, 30)
     assert len(context["score_quantiles"]) == 101
+    assert context["pace_slack"] == 0.5  # paced by default: a table alone does not transfer
     FusionContext(**context)  # a valid run context
     replayed = invoke_json("replay", str(traces), "--json", "--context", json.dumps(context))
     assert replayed["continuation_cloud_fraction"] == out["achieved"]
@@ -202,6 +205,19 @@ def test_calibrate_hits_the_target_and_replay_agrees(tmp_path: Path) -> None:
         "replay", str(traces), "--json", "--context", json.dumps({**context, "cloud_share": 60})
     )
     assert abs(other["continuation_cloud_fraction"] - 0.6) <= 0.06
+
+
+def test_calibrate_paces_unless_told_not_to(tmp_path: Path) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    target = ["--target-cloud-fraction", "0.3", "--json"]
+    table_only = invoke_json("calibrate", traces, *target, "--pace-slack", "0")["context"]
+    assert table_only["pace_slack"] is None
+    from_context = invoke_json("calibrate", traces, *target, "--context", '{"pace_slack": 2}')["context"]
+    assert from_context["pace_slack"] == 2
+    assert table_only["score_quantiles"] == from_context["score_quantiles"]  # the pace is not in the fit
+    result = runner.invoke(app, ["calibrate", traces, *target, "--pace-slack", "0.3"])
+    assert result.exit_code == 2
+    assert "between 0.5 and 100" in result.stderr and "--pace-slack 0" in result.stderr
 
 
 def test_calibrate_refuses_a_target_outside_0_1(tmp_path: Path) -> None:

@@ -31,7 +31,8 @@ def test_defaults() -> None:
     assert context.cloud_share == 30
     assert context.hysteresis == 10
     assert context.max_steps == 25
-    assert context.conversation_max_tokens == 32768
+    assert context.conversation_max_tokens is None  # the local window, found at run time
+    assert (context.max_completion_tokens, context.max_tool_output_tokens) == (4096, 8000)
     assert context.max_tool_calls_per_step == 8
     assert context.loop_repeat_limit == 3
     assert context.max_repair_attempts == 2
@@ -96,6 +97,8 @@ def test_an_invalid_env_default_names_the_variable_and_range() -> None:
         ("FUSION_CLOUD_MODELS", '["gpt-4o", "gpt-4.1"]', "cloud_models", ("gpt-4o", "gpt-4.1")),
         ("FUSION_REQUEST_TIMEOUT", "2.5", "request_timeout", 2.5),
         ("FUSION_LOCAL_SLOTS", "4", "local_slots", 4),
+        ("FUSION_LOCAL_WINDOW_TOKENS", "8192", "local_window_tokens", 8192),
+        ("FUSION_CLOUD_WINDOW_TOKENS", "200000", "cloud_window_tokens", 200000),
         ("FUSION_WORKSPACE_ROOT", "/srv/ws", "workspace_root", "/srv/ws"),
         ("FUSION_PRICE_OVERRIDES", '{"m": [1, 2, null]}', "price_overrides", {"m": (1.0, 2.0, None)}),
     ],
@@ -131,6 +134,8 @@ def test_the_cloud_key_is_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
         ("max_steps", 0, "must be between 1 and 1000"),
         ("hysteresis", 51, "must be between 0 and 50"),
         ("conversation_max_tokens", 100, "must be between 256 and"),
+        ("max_completion_tokens", 8, "must be between 16 and"),
+        ("max_tool_output_tokens", 50, "must be between 100 and"),
         ("loop_repeat_limit", 1, "must be between 2 and 100"),
         ("max_tool_calls_per_step", 0, "must be between 1 and 128"),
         ("max_repair_attempts", 11, "must be between 0 and 10"),

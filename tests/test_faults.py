@@ -10,6 +10,7 @@ killed mid-turn is in ``test_faults_llama.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -21,6 +22,7 @@ import httpx
 import pytest
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.outputs import ChatResult
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -34,7 +36,8 @@ from fusion_graph.pricing import Pricing, unit_prices
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
-from tests.fakes import split_config
+from tests.errors import LLAMA_OVERFLOW_BODY
+from tests.fakes import ScriptedModel, split_config
 
 CLOUD_ID, LOCAL_ID = "cloud:gpt-4o-mini", "local:local"
 USER = "please do the task"
@@ -54,6 +57,21 @@ def replies(*items: Reply) -> Callable[[dict[str, Any]], Reply]:
 def calls(text: str, **usage: Any) -> Reply:
     """An answer asking for one ``echo`` call (distinct texts keep the loop detector quiet)."""
     return Reply(content="", tool_calls=[("echo", {"text": text})], **usage)
+
+
+def completion_body(*, choices: list[Any]) -> bytes:
+    """A 200 body shaped like a chat completion except for ``choices``."""
+    body = {"id": "x", "object": "chat.completion", "created": 0, "model": "local", "choices": choices}
+    return json.dumps(
+        {**body, "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+    ).encode()
+
+
+def tool_call_choice(arguments: Any) -> dict[str, Any]:
+    """A choice whose one tool call carries ``arguments`` as they are (not necessarily a JSON string)."""
+    call = {"id": "c", "type": "function", "function": {"name": "echo", "arguments": arguments}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"index": 0, "finish_reason": "tool_calls", "message": message}
 
 
 @tool
@@ -167,6 +185,18 @@ async def saver(tmp_path: Path) -> AsyncIterator[AsyncSqliteSaver]:
         pytest.param(Reply(status=500), "server_error", id="500"),
         pytest.param(Reply(delay=3.0), "timeout", id="hang"),
         pytest.param(Reply(raw=b"{not json"), "malformed_response", id="malformed-json"),
+        pytest.param(Reply(raw=completion_body(choices=[])), "malformed_response", id="empty-choices"),
+        pytest.param(
+            Reply(raw=completion_body(choices=[{"index": 0, "finish_reason": "stop"}])),
+            "malformed_response",
+            id="choice-without-message",
+        ),
+        pytest.param(
+            Reply(raw=completion_body(choices=[tool_call_choice({"text": "not a JSON string"})])),
+            "malformed_response",
+            id="arguments-not-a-string",
+            marks=pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning"),
+        ),
     ],
 )
 async def test_local_fault_mid_turn_falls_over_to_cloud(
@@ -199,6 +229,88 @@ async def test_local_fault_mid_turn_falls_over_to_cloud(
     if kind == "timeout":  # abandoned at the client timeout, not when the reply came
         assert 0.9 <= attempt["latency_s"] < 2.5
     await checkpointed_once(rig.graph, rig.config, [USER])
+
+
+async def test_a_local_context_overflow_walks_on_to_cloud_without_hurting_health(
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver
+) -> None:
+    cloud.script(replies(calls("plan"), Reply(content="done on cloud")))
+    overflow = Reply(status=400, raw=json.dumps(LLAMA_OVERFLOW_BODY).encode())
+    local.script(replies(overflow))
+    rig = make_rig(cloud_model(cloud), local_model(local), saver)
+    out = await rig.turn()
+
+    assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "cloud")]
+    [attempt] = out["route_log"][1]["attempts"]
+    assert (attempt["provider"], attempt["kind"], attempt["health_failure"]) == (
+        LOCAL_ID,
+        "context_overflow",
+        False,
+    )
+    assert attempt["prompt_tokens"] == 4019, "the size llama-server reported"
+    assert (await rig.chain()).health(LOCAL_ID).failures == []
+    assert out["messages"][-1].content == "done on cloud"
+
+
+class Hanging(ScriptedModel):
+    """An injected model that never answers (its own client has no timeout)."""
+
+    async def _agenerate(self, *args: Any, **kwargs: Any) -> ChatResult:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+class Unparsable(ScriptedModel):
+    """An injected model whose own response parsing fails."""
+
+    error: str = "index"
+
+    async def _agenerate(self, *args: Any, **kwargs: Any) -> ChatResult:
+        if self.error == "index":
+            raise IndexError("list index out of range")  # e.g. response["choices"][0] of []
+        AIMessage.model_validate({"content": "", "tool_calls": [{"name": "x", "args": [1], "id": "c"}]})
+        raise AssertionError("unreachable")
+
+
+async def test_request_timeout_bounds_an_injected_model(cloud: FakeOpenAI, saver: AsyncSqliteSaver) -> None:
+    cloud.script(replies(calls("plan"), Reply(content="done on cloud")))
+    rig = make_rig(cloud_model(cloud), Hanging(messages=iter([])), saver, request_timeout=0.5)
+    out = await rig.turn()
+
+    assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "cloud")]
+    [attempt] = out["route_log"][1]["attempts"]
+    assert (attempt["kind"], attempt["health_failure"]) == ("timeout", True)
+    assert "request_timeout=0.5 s" in attempt["message"]
+
+
+@pytest.mark.parametrize("error", ["index", "validation"])
+async def test_an_injected_models_parse_failure_is_a_malformed_answer(
+    cloud: FakeOpenAI, saver: AsyncSqliteSaver, error: str
+) -> None:
+    cloud.script(replies(calls("plan"), Reply(content="done on cloud")))
+    rig = make_rig(cloud_model(cloud), Unparsable(messages=iter([]), error=error), saver)
+    out = await rig.turn()
+
+    assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "cloud")]
+    [attempt] = out["route_log"][1]["attempts"]
+    assert (attempt["error"], attempt["kind"], attempt["health_failure"]) == (
+        "MalformedAnswer",
+        "malformed_response",
+        True,
+    )
+
+
+async def test_every_inference_sends_the_completion_budget(
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver
+) -> None:
+    cloud.script(replies(calls("plan")))
+    local.script(replies(Reply(content="done")))
+    rig = make_rig(cloud_model(cloud), local_model(local), saver, max_completion_tokens=300)
+    out = await rig.turn()
+
+    assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "local")]
+    assert [r["max_completion_tokens"] for r in cloud.requests + local.requests] == [300, 300]
+    assert [r["extra"]["max_tokens"] for r in out["route_log"]] == [300, 300]
 
 
 async def test_cloud_failing_the_plan_runs_the_plan_on_local(

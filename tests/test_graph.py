@@ -109,7 +109,7 @@ async def test_malformed_call_from_local_is_repaired_locally_even_when_score_say
         "localfake",
         [ai_calls(call("echo", {"text": "x" * 4000}, "l1"), call("nope", {}, "l2")), "repaired"],
     )
-    context = FusionContext(cloud_share=60, conversation_max_tokens=256, system_prompt=BRIEF)
+    context = FusionContext(cloud_share=60, conversation_max_tokens=1024, system_prompt=BRIEF)
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[make_echo()])
     out = await graph.ainvoke(user_input(TASK), context=context)
 

@@ -10,7 +10,16 @@ import httpx
 import openai
 import pytest
 
-from fusion_graph.health import ErrorClass, Health, HealthPolicy, classify, retry_after
+from fusion_graph.health import (
+    ErrorClass,
+    Health,
+    HealthPolicy,
+    MalformedAnswer,
+    classify,
+    context_overflow,
+    overflow_numbers,
+    retry_after,
+)
 from fusion_graph.llama import LlamaServerUnavailable
 from tests.errors import (
     EPOCH,
@@ -18,6 +27,8 @@ from tests.errors import (
     bad_request,
     caused,
     lc_error,
+    llama_overflow,
+    openai_overflow,
     plain_request,
     plain_response,
     rate_limited,
@@ -102,7 +113,12 @@ from tests.errors import (
         pytest.param(lambda: lc_error("ModelConnectionError"), "connection", id="lc-connection"),
         pytest.param(lambda: lc_error("ModelAPIError"), "server_error", id="lc-api"),
         pytest.param(lambda: lc_error("ModelAuthenticationError"), "misconfigured", id="lc-auth"),
-        pytest.param(lambda: lc_error("ContextOverflowError"), "bad_request", id="lc-context-overflow"),
+        pytest.param(lambda: lc_error("ContextOverflowError"), "context_overflow", id="lc-context-overflow"),
+        pytest.param(llama_overflow, "context_overflow", id="llama-server-context-size-400"),
+        pytest.param(openai_overflow, "context_overflow", id="openai-context-length-exceeded"),
+        pytest.param(lambda: caused(llama_overflow()), "context_overflow", id="overflow-as-cause"),
+        pytest.param(lambda: MalformedAnswer("no choices"), "malformed_response", id="malformed-answer"),
+        pytest.param(lambda: caused(MalformedAnswer("x")), "malformed_response", id="malformed-as-cause"),
         pytest.param(lambda: ValueError("parse"), "other", id="other"),
         pytest.param(lambda: caused(refused()), "connection", id="cause-followed"),
         pytest.param(lambda: caused(ValueError("x")), "other", id="cause-unknown"),
@@ -163,3 +179,14 @@ def test_health_is_pure() -> None:
     assert health.available(14.0)
     health.probing = True
     assert not health.available(14.0)
+
+
+def test_a_context_size_error_reports_the_request_and_the_window() -> None:
+    assert overflow_numbers(llama_overflow()) == (4019, 2048)
+    assert overflow_numbers(openai_overflow()) == (None, None)
+    assert overflow_numbers(bad_request()) == (None, None)
+
+
+def test_a_plain_bad_request_is_not_an_overflow() -> None:
+    assert not context_overflow(bad_request())  # "context too long" alone names no window
+    assert classify(bad_request()) == "bad_request"

@@ -34,6 +34,8 @@ from tests.postgres_fixtures import (  # noqa: F401 - fixtures, registered as po
 CONFIG: RunnableConfig = {"configurable": {"thread_id": "shared-thread"}}
 NS = memory.namespace("fusion", "anonymous")
 TABS = "The user prefers tabs."
+#: Memory jobs inside the run, so each turn's route_log has them.
+INLINE = FusionContext(memory_mode="inline")
 
 
 @tool
@@ -115,7 +117,7 @@ async def test_memories_from_one_replica_are_recalled_on_another(postgres_db: st
         graph = build_graph(
             cloud_model=cloud, local_model=local, tools=TOOLS, checkpointer=saver, store=store
         )
-        first = await graph.ainvoke(said("I like tabs"), CONFIG)
+        first = await graph.ainvoke(said("I like tabs"), CONFIG, context=INLINE)
     assert [(r["turn"], r["kind"]) for r in first["route_log"]] == [(0, "plan"), (0, "step"), (0, "memory")]
     assert first["route_log"][-1]["extra"]["stored"] == 1
     assert cloud.prompts[0][-1].text == "I like tabs"  # nothing to recall yet
@@ -133,7 +135,7 @@ async def test_memories_from_one_replica_are_recalled_on_another(postgres_db: st
         graph = build_graph(
             cloud_model=cloud, local_model=local, tools=TOOLS, checkpointer=saver, store=store
         )
-        second = await graph.ainvoke(said("format this file"), CONFIG)
+        second = await graph.ainvoke(said("format this file"), CONFIG, context=INLINE)
         assert len(await store.asearch(NS, limit=100)) == 1  # the empty job stored nothing
 
     plan_prompt = cloud.prompts[0]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 
-from fusion_graph import build_graph
+from fusion_graph import FusionGraph, build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.replay import route_history
-from tests.fakes import ai_calls, call, scripted, user_input
+from tests.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 
 @tool
@@ -25,12 +27,13 @@ async def test_replay_matches_the_graphs_route_log() -> None:
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[bulky])
     out = await graph.ainvoke(user_input("work"), context=context)
     recorded = [(r["step"], r["leg"], r["score"], r["threshold"]) for r in out["route_log"]]
-    assert [leg for _, leg, _, _ in recorded] == ["cloud", "local", "local", "local", "cloud"]
+    route = [leg for _, leg, _, _ in recorded]
+    assert route[0] == route[-1] == "cloud" and route[1] == "local", route  # escalated after local steps
 
     history = [SystemMessage(context.system_prompt), *out["messages"]]
     replayed = [
         (r.step, r.leg, r.decision.score.score if r.decision.score else None, r.decision.threshold)
-        for r in route_history(history, context)
+        for r in route_history(history, context, tools=[bulky])  # the graph counts bound tool schemas
     ]
     assert replayed == recorded
 
@@ -46,3 +49,30 @@ def test_replay_restarts_the_step_count_at_each_user_message() -> None:
     ]
     steps = route_history(messages, FusionContext(cloud_share=30))
     assert [(s.position, s.step, s.leg) for s in steps] == [(1, 0, "cloud"), (3, 1, "local"), (5, 0, "cloud")]
+
+
+async def test_a_paced_replay_counts_the_route_log_as_the_graph_does() -> None:
+    # Each leg answers three tool calls, then "done": the turn ends on the first leg to run out.
+    def leg_model(leg: str) -> ScriptedModel:
+        return scripted(leg, [*(ai_calls(call("bulky", {"n": 1}, f"{leg}{i}")) for i in range(3)), "done"])
+
+    def make_graph() -> FusionGraph:
+        return build_graph(cloud_model=leg_model("cloud"), local_model=leg_model("local"), tools=[bulky])
+
+    paced = FusionContext(cloud_share=50, pace_slack=0.5, max_steps=12)
+    out = await make_graph().ainvoke(user_input("work"), context=paced)
+    log = out["route_log"]
+    legs = [r["routed_leg"] for r in log if r["kind"] == "step"]
+    for n in range(1, len(legs) + 1):  # the thread's count stays within half a step of 50 %
+        assert abs(legs[:n].count("cloud") - n / 2) <= 0.5, legs
+    assert any("paced to" in r["reason"] for r in log)
+    plain = await make_graph().ainvoke(
+        user_input("work"), context=dataclasses.replace(paced, pace_slack=None)
+    )
+    assert [r["routed_leg"] for r in plain["route_log"]] != [r["routed_leg"] for r in log]
+
+    history = [SystemMessage(paced.system_prompt), *out["messages"]]
+    replayed = route_history(history, paced, tools=[bulky])
+    assert [(r.step, r.leg, r.decision.threshold, r.decision.reason) for r in replayed] == [
+        (r["step"], r["routed_leg"], r["threshold"], r["reason"]) for r in log
+    ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
+from itertools import groupby, pairwise
 from typing import Any
 
 import pytest
@@ -317,7 +319,7 @@ def points_of(total: float) -> StepScore:
 
 def test_points_are_the_unrounded_sum_of_the_terms() -> None:
     result = score_step(sig(prompt_tokens=1, conversation_max_tokens=3, step=1))
-    assert result.points == round(13.33 + 2.5, 2) == 15.83
+    assert result.points == round(13.33 + 2.78, 2) == 16.11
     assert result.score == 16
 
 
@@ -391,3 +393,212 @@ def test_invalid_tables_are_refused_with_the_reason(quantiles: list[float], mess
 
 def test_a_valid_table_is_returned_as_floats() -> None:
     assert check_score_quantiles(range(101)) == tuple(float(k) for k in range(101))
+
+
+# --------------------------------------------------------------------------- paced dial
+
+
+def run_paced(
+    scores: Sequence[int],
+    *,
+    cloud_share: int,
+    slack: float | None,
+    hysteresis: int = 10,
+    start: Leg = "cloud",
+) -> list[Leg]:
+    """Continuation scores through ``decide_leg`` with a pace counted as a thread counts it."""
+    leg, legs = start, []
+    pace = None if slack is None else routing.Pace(slack)
+    for step, value in enumerate(scores, start=1):
+        decision = decide_leg(
+            mode="fusion",
+            step=step,
+            current_leg=leg,
+            score=score_of(value),
+            cloud_share=cloud_share,
+            hysteresis=hysteresis,
+            pace=pace,
+        )
+        leg = decision.leg
+        legs.append(leg)
+        if pace is not None:
+            pace = pace.after(leg)
+    return legs
+
+
+def drifting_scores(seed: int, count: int = 200) -> list[int]:
+    """Scores that wander like a conversation's: a random walk over 0-100."""
+    rng = random.Random(seed)
+    level, scores = rng.uniform(0, 100), []
+    for _ in range(count):
+        level = min(max(level + rng.uniform(-12, 12), 0), 100)
+        scores.append(round(level))
+    return scores
+
+
+def switches(legs: Sequence[Leg]) -> int:
+    return sum(a != b for a, b in pairwise(legs))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("cloud_share", [10, 30, 50, 70])
+@pytest.mark.parametrize("slack", [0.5, 1.0, 2.5])
+def test_the_paced_count_stays_within_the_slack_so_the_share_converges(
+    seed: int, cloud_share: int, slack: float
+) -> None:
+    scores = drifting_scores(seed)
+    legs = run_paced(scores, cloud_share=cloud_share, slack=slack)
+    for n in range(1, len(legs) + 1):
+        cloud = legs[:n].count("cloud")
+        assert abs(cloud - cloud_share * n / 100) <= slack + 1e-9, (n, cloud)
+    assert abs(legs.count("cloud") / len(legs) - cloud_share / 100) <= slack / len(legs) + 1e-9
+
+
+def test_without_a_pace_the_same_scores_miss_the_share() -> None:
+    # Scores that never reach T + h = 80 at cloud_share 30: unpaced, nothing after step 1 goes cloud.
+    scores = [20 + (k % 7) for k in range(60)]
+    assert run_paced(scores, cloud_share=30, slack=None).count("cloud") == 0
+    assert run_paced(scores, cloud_share=30, slack=0.5).count("cloud") == 18
+
+
+def test_a_half_step_slack_pins_the_count_to_the_nearest_step() -> None:
+    # Low scores at cloud_share 25: the pace alone places the cloud steps, one in every four, at the
+    # step where staying local would leave the count 0.75 behind (at 0.5 exactly the band keeps local).
+    legs = run_paced([5] * 40, cloud_share=25, slack=0.5, start="local")
+    assert legs == ["local", "local", "cloud", "local"] * 10
+    assert switches(legs) == 20  # at a half-step slack each cloud step is a run of its own
+
+
+def test_the_score_picks_the_steps_inside_the_slack() -> None:
+    # At cloud_share 20 with a slack of 2, one high score amid low ones goes cloud on its own,
+    # before the count falls behind: the score, not the pace, placed it.
+    scores = [10, 10, 95, 10, 10, 10, 10, 10]
+    legs = run_paced(scores, cloud_share=20, slack=2.0, start="local")
+    assert legs[2] == "cloud"
+    assert legs.count("cloud") == 1
+
+
+def test_hysteresis_still_keeps_runs_long_under_a_pace() -> None:
+    # Scores inside the band around T = 70 (h = 10): the band never escalates on its own, and
+    # once the pace has forced a step to cloud the band keeps it there until the pace ends the run.
+    scores = [75, 65] * 50
+    banded = run_paced(scores, cloud_share=30, slack=2.0, hysteresis=10, start="local")
+    runs = [len(list(group)) for _, group in groupby(banded)]
+    assert min(runs[1:-1]) >= 4, runs
+    assert switches(banded) <= 12
+    # Without the band the same scores flip the leg on most steps the pace leaves free.
+    bare = run_paced(scores, cloud_share=30, slack=2.0, hysteresis=0, start="local")
+    assert switches(bare) >= 3 * switches(banded)
+    # Both keep the share.
+    for legs in (banded, bare):
+        assert abs(legs.count("cloud") - 30) <= 2
+
+
+def test_the_pace_overrules_the_band_only_at_the_slack_and_says_so() -> None:
+    behind = decide_leg(
+        mode="fusion",
+        step=3,
+        current_leg="local",
+        score=score_of(5),
+        cloud_share=30,
+        pace=routing.Pace(0.5, steps=2, cloud=0),
+    )
+    assert behind.leg == "cloud"
+    assert behind.threshold == 80  # the band's bar, which the score missed
+    assert behind.reason.startswith("score 5 < 80 (T=70 + h=10): stay local; paced to cloud")
+    assert "0 of 2 continuation steps on cloud" in behind.reason
+    assert "0.9 steps behind 30% (slack 0.5)" in behind.reason
+    ahead = decide_leg(
+        mode="fusion",
+        step=3,
+        current_leg="cloud",
+        score=score_of(95),
+        cloud_share=30,
+        pace=routing.Pace(0.5, steps=2, cloud=1),
+    )
+    assert ahead.leg == "local"
+    assert "1.1 steps ahead of 30%" in ahead.reason
+    within = decide_leg(
+        mode="fusion",
+        step=3,
+        current_leg="cloud",
+        score=score_of(95),
+        cloud_share=30,
+        pace=routing.Pace(1.5, steps=2, cloud=1),
+    )
+    assert within == decide_leg(
+        mode="fusion", step=3, current_leg="cloud", score=score_of(95), cloud_share=30
+    )
+
+
+@pytest.mark.parametrize("cloud", [0, 10])
+def test_the_plan_and_the_ends_of_the_dial_ignore_the_pace(cloud: int) -> None:
+    pace = routing.Pace(0.5, steps=10, cloud=cloud)  # all local (far behind) or all cloud (far ahead)
+    plan = decide_leg(mode="fusion", step=0, current_leg=None, score=None, cloud_share=10, pace=pace)
+    assert plan.leg == "cloud"
+    for share, leg in ((0, "local"), (100, "cloud")):
+        end = decide_leg(
+            mode="fusion", step=4, current_leg="local", score=score_of(50), cloud_share=share, pace=pace
+        )
+        assert end.leg == leg
+    for mode, leg in (("cloud", "cloud"), ("local", "local")):
+        pinned = decide_leg(mode=mode, step=4, current_leg="local", score=score_of(50), pace=pace)  # type: ignore[arg-type]
+        assert pinned.leg == leg
+
+
+def test_no_pace_is_the_default() -> None:
+    for leg in ("local", "cloud"):
+        for value in (5, 65, 75, 95):
+            kwargs: dict[str, Any] = {
+                "mode": "fusion",
+                "step": 2,
+                "current_leg": leg,
+                "score": score_of(value),
+            }
+            assert decide_leg(**kwargs) == decide_leg(**kwargs, pace=None)
+    assert decide_leg.__kwdefaults__ is not None and decide_leg.__kwdefaults__["pace"] is None
+
+
+@pytest.mark.parametrize(
+    ("slack", "steps", "cloud", "message"),
+    [(0.4, 0, 0, "between 0.5 and 100"), (101, 0, 0, "between 0.5 and 100"), (1, 2, 3, "cloud <= steps")],
+)
+def test_impossible_paces_are_refused(slack: float, steps: int, cloud: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        routing.Pace(slack, steps, cloud)
+
+
+def test_paced_leg_forces_at_most_one_leg() -> None:
+    for share in range(1, 100):
+        for steps in range(30):
+            for cloud in range(steps + 1):
+                forced = routing.paced_leg(routing.Pace(0.5, steps, cloud), share)
+                behind = share * (steps + 1) / 100 - cloud
+                assert (forced == "cloud") == (behind > 0.5 + 1e-9)
+                assert (forced == "local") == (1 - behind > 0.5 + 1e-9)
+
+
+# --------------------------------------------------------------------------- the ceiling
+
+
+def test_a_step_carrying_the_whole_turn_escalates_on_its_own_at_the_defaults() -> None:
+    # The last step a turn may run, its prompt filling the budget, with tool output at least the
+    # size of the stable prefix: 40 + 25 + 15 = 80 without any notice, which is T + h at the defaults.
+    last = score_step(
+        sig(prompt_tokens=1000, step=24, max_steps=25, tool_output_tokens=100, stable_prefix_tokens=100)
+    )
+    assert (last.score, last.turn_depth) == (80, 25)
+    decision = decide_leg(mode="fusion", step=24, current_leg="local", score=last)
+    assert decision.leg == "cloud" and decision.threshold == 80
+    # One step earlier it does not yet (depth 23/24 of 25 points).
+    earlier = score_step(
+        sig(prompt_tokens=1000, step=23, max_steps=25, tool_output_tokens=100, stable_prefix_tokens=100)
+    )
+    assert earlier.score == 79
+    assert decide_leg(mode="fusion", step=23, current_leg="local", score=earlier).leg == "local"
+
+
+def test_turn_depth_reaches_1_at_the_last_step_a_turn_may_run() -> None:
+    assert score_step(sig(step=9, max_steps=10)).turn_depth == 25
+    assert score_step(sig(step=1, max_steps=2)).turn_depth == 25
+    assert score_step(sig(step=0, max_steps=1)).turn_depth == 0

@@ -24,7 +24,7 @@ from typing import Any
 import openai
 import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
@@ -147,7 +147,7 @@ async def run(tmp_path: Path, cloud: FakeOpenAI, local: FakeOpenAI) -> AsyncIter
         )
         resolver = ProviderResolver(settings=settings)
         graph = build_graph(resolver=resolver, tools=[], checkpointer=saver, store=store)
-        yield Run(graph, resolver, store, {})
+        yield Run(graph, resolver, store, {"memory_mode": "inline"})  # jobs inside the run
         await resolver.aclose()
 
 
@@ -301,9 +301,10 @@ async def test_a_dropped_memory_job_says_why_without_the_key(caplog: pytest.LogC
         return None
 
     job = memory.DEFAULT_JOBS[0]
-    result, records, why = await memory.run_job(
-        job, chain=chain, leg="local", reflection_slot=no_slot, excerpt="x", turn=0, step=0, max_tokens=64
+    runner = memory.JobRunner(
+        chain=chain, leg="local", system_prompt="", tools=[], reflection_slot=no_slot, max_tokens=64
     )
+    result, records, why = await memory.run_job(job, [HumanMessage("x")], runner, turn=0, step=0)
     assert result is None and records == []
     assert why == f"provider error: RuntimeError: binding bug near {REDACTED}"
     assert "binding bug near" in caplog.text and key not in caplog.text

@@ -318,8 +318,8 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     decided: list[int] = []
     real = route_module.continuation_route  # type: ignore[attr-defined]
 
-    def counting(state: Any, context: Any, count_tokens: Any = None) -> Any:
-        decision, signals = real(state, context, count_tokens) if count_tokens else real(state, context)
+    def counting(state: Any, context: Any, count_tokens: Any = None, **sizes: Any) -> Any:
+        decision, signals = real(state, context, count_tokens, **sizes)
         decided.append(decision.score.score if decision.score else -1)
         return decision, signals
 

@@ -3,7 +3,10 @@
 Each runs one inference through the provider chain (``executor.infer``), checks
 the answer's tool batch (``dispatch.check_batch``) and writes both in one
 update. Continuation steps act on the decision the ``route`` node handed over
-in ``state["route"]``; they never score again.
+in ``state["route"]``; they never score again. Before the call the fit rule
+(``sizing.Sizer.prepare``) keeps the step off links whose window cannot hold
+it, compacting the history when none can; after it, the answering leg's
+report becomes that leg's anchor for the next estimate.
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ from langgraph.runtime import Runtime
 
 from fusion_graph.chain import ChainLink
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.executor import infer
+from fusion_graph.estimate import Estimate
+from fusion_graph.executor import ROUTE_EVENT, Inference, infer
 from fusion_graph.memory import inference_running
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.records import totals_of
 from fusion_graph.resolver import ProviderResolver
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.signals import TokenCounter
+from fusion_graph.sizing import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.state import RouteRecord, State, StepKind, add_totals
-from fusion_graph.turn import continuation_route, decision_of, plan_route
+from fusion_graph.turn import continuation_route, decision_of, handed_estimates, plan_route
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class InferenceNodes:
         tools: Sequence[BaseTool],
         count_tokens: TokenCounter,
         recall: Recall | None = None,
+        sizer: Sizer | None = None,
     ) -> None:
         """Keep what every inference needs."""
         self.resolver = resolver
@@ -107,6 +113,16 @@ class InferenceNodes:
         self.tools_by_name = {tool.name: tool for tool in self.tools}
         self.count_tokens = count_tokens
         self.recall = recall
+        self.sizer = sizer or Sizer(resolver, self.tools, count_tokens)
+
+    async def measure(
+        self, state: State, context: FusionContext, known: dict[str, Estimate] | None = None
+    ) -> StepSizes:
+        """Windows, estimates and the context budget of the step about to run on ``state``."""
+        chain = await self.resolver.chain(context)
+        return await self.sizer.measure(
+            chain, state.get("messages", []), state.get("anchors") or {}, context, known=known
+        )
 
     async def _infer(
         self,
@@ -120,8 +136,14 @@ class InferenceNodes:
         state: State,
         runtime: Runtime[FusionContext],
         prefer_provider: str | None = None,
+        sizes: StepSizes | None = None,
     ) -> tuple[dict[str, Any], bool]:
-        """One inference and its batch check; returns the update and whether it was answered."""
+        """One inference and its batch check; returns the update and whether it was answered.
+
+        The fit rule picks the links that can hold the step (and compacts the
+        history when none can); if every link that could hold it overflowed
+        anyway, the history is compacted further and the inference runs once more.
+        """
         context = ensure_context(runtime.context)
         chain = await self.resolver.chain(context)
         thread_id = thread_id_of(get_config())
@@ -130,32 +152,49 @@ class InferenceNodes:
             pool = await self.resolver.slot_pool(link, context)
             return pool.slot_for(thread_id) if pool is not None else None
 
-        messages = state.get("messages", [])
+        anchors = dict(state.get("anchors") or {})
+        prepared = await self.sizer.prepare(
+            chain, decision.leg, state.get("messages", []), anchors, context, sizes=sizes
+        )
         async with inference_running(thread_id):  # a memory job beside this step starts after it
-            answer, record, exhausted = await infer(
-                kind=kind,
-                step=step,
-                turn=turn,
-                decision=decision,
-                signals=signals,
-                chain=chain,
-                find_slot=find_slot,
-                messages=messages,
-                tools=self.tools,
-                runtime=runtime,
-                context=context,
-                prefer_provider=prefer_provider,
-            )
+            for retry in (False, True):
+                if prepared.compaction is not None:
+                    _stream_compaction(runtime, (turn, step, kind), decision.leg, prepared)
+                call = Inference(
+                    kind=kind,
+                    step=step,
+                    turn=turn,
+                    decision=prepared.decided(decision),
+                    signals=signals,
+                    messages=prepared.messages,
+                    tools=self.tools,
+                    context=context,
+                    prefer_provider=prefer_provider,
+                )
+                bounds = self.sizer.bounds(chain, prepared, context)
+                answer, record, exhausted = await infer(
+                    call,
+                    chain=chain,
+                    find_slot=find_slot,
+                    runtime=runtime,
+                    bounds=bounds,
+                    extra=prepared.extra(),
+                )
+                if answer is not None or retry or exhausted is None or not overflowed(exhausted):
+                    break
+                prepared = await self.sizer.after_overflow(chain, decision.leg, prepared, exhausted, context)
         if answer is None:
             message = str(exhausted) if exhausted is not None else "no provider answered"
-            retry = exhausted.retry_in_s if exhausted is not None else None
+            retry_in = exhausted.retry_in_s if exhausted is not None else None
             return {
                 "route_log": [record],
-                "stall": {"node": node, "message": message, "retry_in_s": retry},
+                "stall": {"node": node, "message": message, "retry_in_s": retry_in},
             }, False
-        batch = check_batch(answer, history=messages, tools=self.tools_by_name, context=context)
+        history = prepared.messages
+        batch = check_batch(answer, history=history, tools=self.tools_by_name, context=context)
+        anchors = prepared.anchors(anchors, record["leg"], record["prompt_tokens"], record["provider"] or "")
         update: dict[str, Any] = {
-            "messages": [batch.answer, *batch.replies],
+            "messages": [*prepared.changes, batch.answer, *batch.replies],
             "route_log": [record],
             "totals": totals_of(record),
             "step": step,
@@ -166,6 +205,7 @@ class InferenceNodes:
             "repair_error": batch.repair_error,
             "route": None,
             "stall": None,
+            "anchors": anchors,
         }
         if batch.repair_error is None:
             update["repair_attempts"] = 0
@@ -183,7 +223,15 @@ class InferenceNodes:
         recalled = start.message
         if recalled is not None:
             state = {**state, "messages": [*state["messages"], recalled]}
-        decision, signals = plan_route(state, context, self.count_tokens)
+        sizes = await self.measure(state, context)
+        decision, signals = plan_route(
+            state,
+            context,
+            self.count_tokens,
+            prompt_tokens=sizes.score_tokens,
+            budget=sizes.budget,
+            tools=self.tools,
+        )
         turn = state.get("turn", -1) + 1
         update, answered = await self._infer(
             node="plan",
@@ -194,6 +242,7 @@ class InferenceNodes:
             signals=signals,
             state=state,
             runtime=runtime,
+            sizes=sizes,
         )
         if not answered:
             return update
@@ -208,11 +257,21 @@ class InferenceNodes:
         return update
 
     async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        context = ensure_context(runtime.context)
         choice = state.get("route")
         if choice is not None and choice["leg"] == leg:
             decision, signals = decision_of(choice)
+            sizes = await self.measure(state, context, handed_estimates(choice))
         else:  # a checkpoint written before decisions were handed over: decide here
-            decision, signals = continuation_route(state, ensure_context(runtime.context), self.count_tokens)
+            sizes = await self.measure(state, context)
+            decision, signals = continuation_route(
+                state,
+                context,
+                self.count_tokens,
+                prompt_tokens=sizes.score_tokens,
+                budget=sizes.budget,
+                tools=self.tools,
+            )
         update, _ = await self._infer(
             node=leg,
             kind="step",
@@ -222,6 +281,7 @@ class InferenceNodes:
             signals=signals,
             state=state,
             runtime=runtime,
+            sizes=sizes,
         )
         return update
 
@@ -263,3 +323,26 @@ class InferenceNodes:
         if answered and update.get("repair_error", state.get("repair_error")) is not None:
             update["repair_attempts"] = attempt
         return update
+
+
+def _stream_compaction(
+    runtime: Runtime[FusionContext], where: tuple[int, int, StepKind], routed: Leg, prepared: Prepared
+) -> None:
+    """The ``fusion_route`` event of a compaction, sent before the call it makes possible."""
+    compaction = prepared.compaction
+    assert compaction is not None
+    turn, step, kind = where
+    runtime.stream_writer(
+        {
+            "event": ROUTE_EVENT,
+            "phase": "compaction",
+            "turn": turn,
+            "step": step,
+            "kind": kind,
+            "routed_leg": routed,
+            "reason": prepared.plan.reason,
+            **compaction.summary(),
+            "freed_tokens": compaction.freed,
+            "need_tokens": compaction.need,
+        }
+    )

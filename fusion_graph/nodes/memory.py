@@ -105,6 +105,8 @@ class MemoryNodes:
         context = ensure_context(runtime.context)
         message = await self._recall(state, runtime, context)
         records = await self._catch_up(state, runtime, context) if runtime.store is not None else []
+        for record in records:
+            runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
         return TurnStart(message=message, records=tuple(records))
 
     async def _recall(
@@ -141,7 +143,10 @@ class MemoryNodes:
         for entry in entries:
             ticket = memory.ticket_of(entry, ns)
             if memory.needs_rerun(entry, now=now, running_here=memory.running_here(ticket.key)):
-                await self._rerun(entry, ns, state["messages"], context, store)
+                try:
+                    await self._rerun(entry, ns, state["messages"], context, store)
+                except Exception:  # never fail the turn over memory; the next turn tries again
+                    logger.exception("running memory job %s again failed", ticket.key)
         return records
 
     async def _fold(

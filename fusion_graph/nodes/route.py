@@ -2,8 +2,11 @@
 
 In order: calls still waiting for their file run next (the next wave of the
 batch), then the step limit, then repairs, then the score picks ``local`` or
-``cloud``. The decision is handed to the executor in ``state["route"]``, so
-the node that runs the step records exactly the decision that sent it there.
+``cloud``. The score's prompt estimate is measured on the local leg (anchored
+on llama-server's last report for this thread) against the local window's
+usable part. The decision is handed to the executor in ``state["route"]``
+(with those estimates), so the node that runs the step records exactly the
+decision that sent it there.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from langgraph.types import Command, Send
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import sends
 from fusion_graph.signals import TokenCounter
+from fusion_graph.sizing import Sizer
 from fusion_graph.state import State
 from fusion_graph.turn import choice_of, continuation_route, last_batch, next_step, pending_calls
 
@@ -37,16 +41,17 @@ def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
 
 
 class RouteNode:
-    """The ``route`` node over the graph's token estimator, tools and memory switch."""
+    """The ``route`` node over the graph's token estimator, tools, sizer and memory switch."""
 
     def __init__(
         self,
         count_tokens: TokenCounter,
         tools: dict[str, BaseTool],
         memory_on: Callable[[Runtime[Any]], bool],
+        sizer: Sizer,
     ) -> None:
         """Keep what the decision needs."""
-        self.count_tokens, self.tools, self.memory_on = count_tokens, tools, memory_on
+        self.count_tokens, self.tools, self.memory_on, self.sizer = count_tokens, tools, memory_on, sizer
 
     async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[str]:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
@@ -64,8 +69,17 @@ class RouteNode:
             if state.get("repair_attempts", 0) >= context.max_repair_attempts:
                 return Command(goto="give_up")
             return Command(goto="repair")
-        decision, signals = continuation_route(state, context, self.count_tokens)
-        update = {"route": choice_of(step, decision, signals)}
+        chain = await self.sizer.resolver.chain(context)
+        sizes = await self.sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
+        decision, signals = continuation_route(
+            state,
+            context,
+            self.count_tokens,
+            prompt_tokens=sizes.score_tokens,
+            budget=sizes.budget,
+            tools=list(self.tools.values()),
+        )
+        update = {"route": choice_of(step, decision, signals, sizes.estimates)}
         every = context.memory_every_k_steps
         if every and step % every == 0 and self.memory_on(runtime):
             return Command(update=update, goto=[decision.leg, "memory"])  # beside the next step
