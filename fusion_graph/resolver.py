@@ -93,6 +93,8 @@ class ProviderResolver:
         self._injected: dict[Leg, BaseChatModel | None] = {"cloud": cloud, "local": local}
         self._links: dict[tuple[Any, ...], ChainLink] = {}
         self._chains: dict[tuple[Any, ...], ProviderChain] = {}
+        # The operator settings are fixed, so a run's narrowing alone decides its chain.
+        self._by_context: dict[tuple[str | None, str | None], ProviderChain] = {}
         self._pools: dict[tuple[str, int, bool], SlotPool] = {}
         self._lock = asyncio.Lock()
         self._closed = False
@@ -140,6 +142,10 @@ class ProviderResolver:
         """
         if self._closed:
             raise RuntimeError("the provider resolver is closed: build a new graph to run again")
+        narrowing = (context.cloud_model, context.workspace_root)
+        known = self._by_context.get(narrowing)
+        if known is not None:  # every step of a run asks again: answer from what was resolved
+            return known
         settings = self.effective(context)
         if self._fixed_chain is not None:
             return self._fixed_chain
@@ -164,6 +170,7 @@ class ProviderResolver:
                             f"this graph; known: {[link.id for link in links]}"
                         ) from error
                 self._chains[key] = chain
+            self._by_context[narrowing] = chain
         return chain
 
     async def server_props(self, link: ChainLink) -> ServerProps | None:
@@ -251,4 +258,5 @@ class ProviderResolver:
         for link in self._links.values():
             await link.aclose()
         self._chains.clear()
+        self._by_context.clear()
         self._links.clear()

@@ -145,9 +145,21 @@ def _schema_tokens(rendered: tuple[str, ...]) -> int:
     return int(TOKENS_PER_TOOL_BLOCK + sum(text_tokens(text) for text in rendered) + 0.5)
 
 
+#: Tool-schema estimates by tool identity: a graph binds the same tools at every step.
+_TOOL_TOKENS: dict[tuple[int, ...], tuple[tuple[object, ...], int]] = {}
+
+
 def tool_tokens(tools: Sequence[BaseTool | dict[str, Any]]) -> int:
     """Estimated tokens of bound tool schemas in the prompt (schemas plus the template's preamble)."""
-    return _schema_tokens(tuple(json.dumps(schema) for schema in tool_schemas(tools)))
+    key = tuple(id(tool) for tool in tools)
+    cached = _TOOL_TOKENS.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached[0], tools, strict=True)):
+        return cached[1]
+    count = _schema_tokens(tuple(json.dumps(schema) for schema in tool_schemas(tools)))
+    if len(_TOOL_TOKENS) > 256:
+        _TOOL_TOKENS.clear()
+    _TOOL_TOKENS[key] = (tuple(tools), count)  # the tools are kept, so their ids stay theirs
+    return count
 
 
 def turn_start(messages: Sequence[BaseMessage]) -> int:
