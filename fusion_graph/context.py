@@ -147,19 +147,24 @@ class FusionContext:
     sub_runners: Literal["local", "cloud", "off"] = _f(
         "sub_runners",
         "local",
-        "Leg of memory sub-runner jobs: 'local' (default; llama-server's reserved slot), 'cloud', or 'off'.",
+        "Leg of memory sub-runner jobs: 'local' (default; llama-server's reserved slot, its "
+        "prompt restored from the host prompt cache), 'cloud', or 'off'.",
     )
     memory_mode: Literal["inline", "background"] = _f(
         "memory_mode",
-        "inline",
-        "'inline': memory jobs run as a graph node after the reply is written and streamed "
-        "(checkpointed, resumable). 'background': detached tasks; ainvoke returns at once, "
-        "jobs are lost if the process exits first.",
+        "background",
+        "'background' (default): the memory node logs each run as pending in the store and "
+        "detaches it; ainvoke returns without waiting, jobs every K steps never delay the next "
+        "step, a run no process finished is picked up at the thread's next turn (or by "
+        "fusion_graph.memory.sweep), and its records reach route_log by the next turn. 'inline': "
+        "jobs run inside the memory node after the reply is written and streamed (checkpointed, "
+        "resumable); ainvoke returns after them.",
     )
     memory_every_k_steps: Annotated[int, *between(0, 1000)] = _f(
         "memory_every_k_steps",
         0,
-        "Also run memory jobs every K steps of a long turn, beside the next step (0: only after the reply).",
+        "Also run memory jobs every K steps of a long turn, beside the next step, which never "
+        "waits for them in background mode (0: only after the reply).",
     )
     memory_recall_limit: Annotated[int, *between(0, 50)] = _f(
         "memory_recall_limit",

@@ -113,7 +113,9 @@ class FusionSettings(BaseSettings):
         120.0, description="Seconds before a model request is abandoned."
     )
     memory_timeout_s: Annotated[float, *seconds()] = Field(
-        60.0, description="Seconds a memory job may take before it is dropped."
+        60.0,
+        description="Seconds a memory job may take before it is dropped; a pending background job "
+        "is left to its process for 2 x this + 5 s before another process picks it up.",
     )
     workspace_root: Annotated[str, Field(min_length=1)] = Field(
         ".",
