@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -22,6 +24,18 @@ def run_child(db: Path, ledger: Path, mode: str) -> subprocess.Popen[bytes]:
     )
 
 
+def result_saved(db: Path, result: bytes) -> bool:
+    """Whether a task's write holding ``result`` is in the SQLite checkpoint (read-only look)."""
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as conn:
+            row = conn.execute("SELECT count(*) FROM writes WHERE instr(value, ?) > 0", (result,)).fetchone()
+    except sqlite3.OperationalError:
+        return False  # the table is not created yet, or the database is busy
+    return bool(row and row[0])
+
+
 def lines(ledger: Path) -> list[str]:
     return ledger.read_text(encoding="utf-8").splitlines() if ledger.exists() else []
 
@@ -31,10 +45,12 @@ def test_sigkill_during_the_second_call_then_resume_runs_only_the_unfinished_cal
     child = run_child(db, ledger, "start")
     try:
         deadline = time.monotonic() + 60
-        while not {"A done", "B start"} <= set(lines(ledger)):
+        # Kill once A's result is in the checkpoint on its own, while B is still running.
+        while not ({"A done", "B start"} <= set(lines(ledger)) and result_saved(db, b"A ok")):
             assert child.poll() is None, child.communicate()[1].decode()[-2000:]
-            assert time.monotonic() < deadline, f"the child never reached call B: {lines(ledger)}"
+            assert time.monotonic() < deadline, f"A's result never reached the checkpoint: {lines(ledger)}"
             time.sleep(0.05)
+        assert "B done" not in lines(ledger)
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait(timeout=30)
