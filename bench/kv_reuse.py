@@ -59,8 +59,8 @@ from bench.traces import (
     DEFAULT_TRACES,
     QUICK_OTHER,
     QUICK_SWE,
-    TraceError,
     assistant_positions,
+    explained,
     load_traces,
     select_quick,
     trace_files,
@@ -250,20 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except TraceError as error:
-        missing = not any(p.exists() for p in args.traces)
-        hint = (
-            " (pass --traces PATH; the default is ../shared/data/traces beside the repo)" if missing else ""
-        )
-        print(f"error: {error}{hint}", file=sys.stderr)
-        return 2
-    except ImportError as error:
-        print(f"error: {error}; install the dev extras (gguf, numpy) to generate the model", file=sys.stderr)
-        return 2
-    except RuntimeError as error:  # LlamaServerNotBuilt, LlamaServerError, a failed request
-        print(f"error: {error}", file=sys.stderr)
+    result = explained(lambda: run(args), args.traces)
+    if result is None:
         return 2
     targets = evaluate_targets(result["variants"])
     result["targets"] = [

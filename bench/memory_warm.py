@@ -58,8 +58,8 @@ from bench.traces import (
     DEFAULT_TRACES,
     QUICK_OTHER,
     QUICK_SWE,
-    TraceError,
     Trajectory,
+    explained,
     load_traces,
     select_quick,
     trace_files,
@@ -521,20 +521,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except TraceError as error:
-        missing = not any(p.exists() for p in args.traces)
-        hint = (
-            " (pass --traces PATH; the default is ../shared/data/traces beside the repo)" if missing else ""
-        )
-        print(f"error: {error}{hint}", file=sys.stderr)
-        return 2
-    except ImportError as error:
-        print(f"error: {error}; install the dev extras (gguf, numpy) to generate the model", file=sys.stderr)
-        return 2
-    except RuntimeError as error:  # LlamaServerNotBuilt, LlamaServerError, a failed request
-        print(f"error: {error}", file=sys.stderr)
+    result = explained(lambda: run(args), args.traces)
+    if result is None:
         return 2
     meta = result["meta"]
     print(

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fusion_graph.traces import TraceError, trace_files
 
-__all__ = ["TraceError", "Trajectory", "load_traces", "trace_files"]
+__all__ = ["TraceError", "Trajectory", "explained", "load_traces", "trace_files"]
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = REPO_ROOT.parent / "shared" / "data" / "traces"
@@ -95,3 +98,21 @@ def select_quick(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
 def assistant_positions(messages: Sequence[Mapping[str, Any]]) -> list[int]:
     """Indices of the assistant messages: one agent step each."""
     return [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
+
+
+def explained(run: Callable[[], T], traces: Sequence[Path]) -> T | None:
+    """``run()``, or ``None`` after printing why a server benchmark could not run (missing traces,
+    harness or llama-server build, a failed request)."""
+    try:
+        return run()
+    except TraceError as error:
+        missing = not any(p.exists() for p in traces)
+        hint = (
+            " (pass --traces PATH; the default is ../shared/data/traces beside the repo)" if missing else ""
+        )
+        print(f"error: {error}{hint}", file=sys.stderr)
+    except ImportError as error:
+        print(f"error: {error}; install the dev extras (gguf, numpy) to generate the model", file=sys.stderr)
+    except RuntimeError as error:  # LlamaServerNotBuilt, LlamaServerError, a failed request
+        print(f"error: {error}", file=sys.stderr)
+    return None
