@@ -56,9 +56,7 @@ from bench.kv_server import (
     tokenize_requests,
 )
 from bench.traces import (
-    DEFAULT_TRACES,
-    QUICK_OTHER,
-    QUICK_SWE,
+    add_trace_arguments,
     assistant_positions,
     explained,
     load_traces,
@@ -84,20 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.kv_reuse",
         description="KV-cache reuse of fusion routing on a real llama-server, replayed from agent traces.",
     )
-    parser.add_argument(
-        "--traces",
-        nargs="+",
-        type=Path,
-        default=[DEFAULT_TRACES],
-        metavar="PATH",
-        help=f"trace files or directories of *.jsonl (default: {DEFAULT_TRACES})",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"replay a subset: {QUICK_SWE} trajectories per SWE-agent file, {QUICK_OTHER} per other file",
-    )
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    add_trace_arguments(parser)
     parser.add_argument(
         "--threads",
         type=parse_threads,

@@ -55,10 +55,8 @@ from pydantic import BaseModel, Field
 from bench.kv_plan import CLOUD_SHARE, route_trajectory
 from bench.kv_server import N_SLOTS, TEMPLATE, prepare_server, server_version, tokenize_requests
 from bench.traces import (
-    DEFAULT_TRACES,
-    QUICK_OTHER,
-    QUICK_SWE,
     Trajectory,
+    add_trace_arguments,
     explained,
     load_traces,
     select_quick,
@@ -433,20 +431,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.memory_warm",
         description="Cache fraction of memory jobs on a real llama-server, replayed from agent traces.",
     )
-    parser.add_argument(
-        "--traces",
-        nargs="+",
-        type=Path,
-        default=[DEFAULT_TRACES],
-        metavar="PATH",
-        help=f"trace files or directories of *.jsonl (default: {DEFAULT_TRACES})",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"a subset: {QUICK_SWE} trajectories per SWE-agent file, {QUICK_OTHER} per other file",
-    )
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    add_trace_arguments(parser)
     parser.add_argument(
         "--every-k", type=int, default=EVERY_K, help=f"memory_every_k_steps (default {EVERY_K}; 0: off)"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -116,3 +117,21 @@ def explained(run: Callable[[], T], traces: Sequence[Path]) -> T | None:
     except RuntimeError as error:  # LlamaServerNotBuilt, LlamaServerError, a failed request
         print(f"error: {error}", file=sys.stderr)
     return None
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--traces``, ``--quick`` and ``--out``, as every trace benchmark takes them."""
+    parser.add_argument(
+        "--traces",
+        nargs="+",
+        type=Path,
+        default=[DEFAULT_TRACES],
+        metavar="PATH",
+        help=f"trace files or directories of *.jsonl (default: {DEFAULT_TRACES})",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a subset: {QUICK_SWE} trajectories per SWE-agent file, {QUICK_OTHER} per other file",
+    )
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
