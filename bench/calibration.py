@@ -2,9 +2,9 @@
 
 For each trace family (one trace file), the trajectories are split into two
 halves with several seeds. A ``score_quantiles`` table is fitted on one half
-(``fusion_graph.calibration.fit_quantiles``, with the default hysteresis) and
+(``fusion_graph.replay.calibration.fit_quantiles``, with the default hysteresis) and
 the other half is replayed with the graph's own routing
-(``fusion_graph.replay.route_history``) at ``cloud_share = 100 × target``; the
+(``fusion_graph.replay.history.route_history``) at ``cloud_share = 100 × target``; the
 achieved share of continuation steps (steps after each turn's plan) on cloud
 is compared with the target. Both directions of every split are used.
 
@@ -54,7 +54,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.traces import DEFAULT_TRACES, REPO_ROOT
-from fusion_graph.calibration import (
+from fusion_graph.cli.common import progress
+from fusion_graph.context import DEFAULTS, FusionContext
+from fusion_graph.replay.calibration import (
     CALIBRATED_PACE_SLACK,
     ScoredStep,
     best_plain_share,
@@ -66,9 +68,7 @@ from fusion_graph.calibration import (
     share_of,
     split_halves,
 )
-from fusion_graph.cli_common import progress
-from fusion_graph.context import DEFAULTS, FusionContext
-from fusion_graph.traces import (
+from fusion_graph.replay.traces import (
     RecordedTrajectory,
     ReplayedTrajectory,
     TraceError,

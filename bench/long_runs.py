@@ -38,20 +38,20 @@ from rich.table import Table
 from bench.kv_plan import new_token_counts
 from bench.kv_server import N_SLOTS, prepare_server, server_version
 from bench.traces import DEFAULT_TRACES, QUICK_OTHER, QUICK_SWE, is_swe_file
-from fusion_graph.batch import batch_notice
-from fusion_graph.chain import ProviderChain
 from fusion_graph.context import FusionContext
-from fusion_graph.llama import ChatLlamaServer, count_prompt_tokens
-from fusion_graph.replay import split_system
-from fusion_graph.resolver import ProviderResolver
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.llama_server import ChatLlamaServer, count_prompt_tokens
+from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.providers.sizes import Sizer
+from fusion_graph.providers.slots import SlotPool, slot_body
+from fusion_graph.replay.history import split_system
+from fusion_graph.replay.traces import RecordedTrajectory, TraceError, load_trajectories
 from fusion_graph.routing import DEFAULT_CLOUD_SHARE, Leg
 from fusion_graph.settings import FusionSettings
-from fusion_graph.signals import approximate_tokens, build_prompt, turn_start
-from fusion_graph.sizing import Sizer
-from fusion_graph.slots import SlotPool, slot_body
+from fusion_graph.sizing.tokens import approximate_tokens, build_prompt
 from fusion_graph.state import PromptAnchor, State
-from fusion_graph.traces import RecordedTrajectory, TraceError, load_trajectories
-from fusion_graph.turn import continuation_route, plan_route
+from fusion_graph.tools.batch import batch_notice
+from fusion_graph.turn import continuation_route, plan_route, turn_start
 
 #: Tokens one llama-server slot holds in this benchmark.
 SLOT_WINDOW = 8192

@@ -63,14 +63,14 @@ from bench.traces import (
     trace_files,
 )
 from fusion_graph import memory, prompts
-from fusion_graph.chain import ChainLink, ProviderChain
-from fusion_graph.executor import bound_model
-from fusion_graph.llama import ChatLlamaServer
-from fusion_graph.providers import Provider
-from fusion_graph.records import timings_numbers
+from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.inference import bound_model
+from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.providers.models import Provider
+from fusion_graph.providers.records import timings_numbers
+from fusion_graph.providers.slots import SlotPool, slot_body
 from fusion_graph.routing import DEFAULT_HYSTERESIS
-from fusion_graph.signals import build_prompt
-from fusion_graph.slots import SlotPool, slot_body
+from fusion_graph.sizing.tokens import build_prompt
 
 #: The issue's target: from a thread's second job on, this share of each job's prompt comes from cache.
 TARGET = 0.80

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fusion_graph.traces import TraceError, trace_files
+from fusion_graph.replay.traces import TraceError, trace_files
 
 __all__ = ["TraceError", "Trajectory", "explained", "load_traces", "trace_files"]
 

@@ -25,7 +25,7 @@ from pydantic.dataclasses import dataclass
 from pydantic_core import ArgsKwargs
 
 from fusion_graph import prompts
-from fusion_graph.bounds import between
+from fusion_graph.ranges import between
 from fusion_graph.routing import DEFAULT_CLOUD_SHARE, DEFAULT_HYSTERESIS, Mode, check_score_quantiles
 from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS, ContextError
 

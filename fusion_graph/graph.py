@@ -22,30 +22,27 @@ from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
 from langgraph.types import Send
 
-from fusion_graph.chain import ProviderChain
 from fusion_graph.context import FusionContext
-from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
+from fusion_graph.memory import DEFAULT_JOBS, MemoryJob, MemoryRuns
 from fusion_graph.nodes import (
-    DESTINATIONS,
     InferenceNodes,
     MemoryNodes,
     RouteNode,
+    ToolStep,
     give_up,
-    make_tool_node,
     memory_on,
     sends,
     step_limit,
     unavailable,
 )
-from fusion_graph.nodes.ends import RETRY_DESTINATIONS
-from fusion_graph.nodes.tools import ToolStep
-from fusion_graph.resolver import ProviderResolver
-from fusion_graph.serial import FusionGraph, serialised
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.providers.sizes import Sizer
+from fusion_graph.run_queue import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
-from fusion_graph.signals import TokenCounter, approximate_tokens
-from fusion_graph.sizing import Sizer
+from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.state import InputState, State
-from fusion_graph.tools import make_workspace_tools
+from fusion_graph.tools.workspace import make_workspace_tools
 from fusion_graph.turn import last_batch, pending_calls, wants_tools
 
 GRAPH_NAME = "fusion"
@@ -105,7 +102,8 @@ def build_graph(
     elif cloud_model is not None or local_model is not None or chain is not None or settings is not None:
         raise ValueError("pass either a resolver or cloud_model/local_model/chain/settings, not both")
     tool_list = list(make_workspace_tools(settings=resolver.settings) if tools is None else tools)
-    memory = MemoryNodes(resolver=resolver, jobs=memory_jobs, graph_name=GRAPH_NAME, tools=tool_list)
+    memory_runs = MemoryRuns(resolver=resolver, jobs=memory_jobs, tools=tool_list)
+    memory = MemoryNodes(memory_runs, graph_name=GRAPH_NAME)
     sizer = Sizer(resolver, tool_list, count_tokens)
     inference = InferenceNodes(
         resolver=resolver, tools=tool_list, count_tokens=count_tokens, recall=memory.recall, sizer=sizer
@@ -117,14 +115,12 @@ def build_graph(
     builder.add_node("local", inference.local)
     builder.add_node("cloud", inference.cloud)
     builder.add_node("repair", inference.repair)
-    tool_step = ToolStep(make_tool_node(tool_list), route)
     # A Send payload (a list of tool calls), not the state, is this node's input, as for ToolNode.
-    after_tool = ("route", *(node for node in DESTINATIONS if node != "tools"))
-    builder.add_node("tools", tool_step, destinations=after_tool)  # type: ignore[call-overload]
-    builder.add_node("route", route, destinations=DESTINATIONS)
+    builder.add_node("tools", ToolStep(tool_list, route))
+    builder.add_node("route", route)
     builder.add_node("step_limit", step_limit)
     builder.add_node("give_up", give_up)
-    builder.add_node("unavailable", unavailable, destinations=RETRY_DESTINATIONS)
+    builder.add_node("unavailable", unavailable)
     builder.add_node("memory", memory.memory)
 
     builder.add_edge(START, "plan")
@@ -133,7 +129,7 @@ def build_graph(
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)
     builder.add_edge("memory", END)
-    return serialised(builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME))
+    return serialised(builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME), memory_runs)
 
 
 #: The default graph for ``langgraph dev`` / LangGraph server (which bring their own checkpointer).

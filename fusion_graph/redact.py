@@ -19,7 +19,7 @@ and health, memory jobs), not when it is written, so a record that reached a
 checkpoint, a store or a stream is already clean.
 
 Logs: a ``logging.Filter`` on a logger only sees records created by that very
-logger, not by its children (``fusion_graph.chain`` ...), so a filter on the
+logger, not by its children (``fusion_graph.providers.chain`` ...), so a filter on the
 ``fusion_graph`` logger alone would miss every record the package writes.
 ``install`` instead gives the ``fusion_graph`` logger a handler that emits
 nothing and scrubs each record *in place* through ``RedactingFilter``: records

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fusion_graph.bounds import between, price, seconds
+from fusion_graph.ranges import between, price, seconds
 
 ENV_PREFIX = "FUSION_"
 

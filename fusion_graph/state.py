@@ -141,6 +141,6 @@ class State(InputState):
     stall: NotRequired[Stall | None]
     """Set when every provider failed an inference; resuming the thread retries it."""
     # NOTE: per leg, the last server-reported prompt size of this thread; kept in state so it
-    # survives checkpoints and process restarts (``fusion_graph.estimate``).
+    # survives checkpoints and process restarts (``fusion_graph.sizing.estimate``).
     anchors: NotRequired[dict[str, PromptAnchor]]
     """Per leg: the prompt tokens its server last reported and the messages they covered."""

@@ -1,19 +1,45 @@
-"""Read the turn in progress out of graph state (pure helpers the nodes and edges share)."""
+"""The turn in progress: where it stands in graph state, and where its next step goes.
+
+Pure helpers the nodes, the edges and replay share: read the batch in
+progress, gather the next step's routing signals, and hand them to the
+routing rule (``fusion_graph.routing``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.messages.tool import ToolCall
 from langchain_core.tools import BaseTool
 
 from fusion_graph.context import FusionContext
-from fusion_graph.estimate import Estimate
-from fusion_graph.fit import conversation_budget
+from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.routing import Leg, Pace, RouteDecision, StepScore, StepSignals, decide_leg, score_step
-from fusion_graph.signals import CUT_KEY, TokenCounter, approximate_tokens, step_signals, turn_start
+from fusion_graph.sizing.estimate import Estimate
+from fusion_graph.sizing.fit import conversation_budget
+from fusion_graph.sizing.tokens import (
+    CUT_KEY,
+    TokenCounter,
+    approximate_tokens,
+    build_prompt,
+    prompt_estimate,
+    system_tokens,
+)
 from fusion_graph.state import RouteChoice, State
+
+
+def turn_start(messages: Sequence[BaseMessage]) -> int:
+    """Index of this turn's user message: the last ``HumanMessage`` (0 when none).
+
+    The message that carries recalled memories is part of the turn, not its start.
+    """
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if isinstance(message, HumanMessage) and message.name != MEMORY_MESSAGE_NAME:
+            return index
+    return 0
 
 
 def last_ai(messages: Sequence[BaseMessage]) -> AIMessage | None:
@@ -77,6 +103,47 @@ def output_cut(messages: Sequence[BaseMessage]) -> bool:
     if index is None:
         return False
     return any(isinstance(m, ToolMessage) and CUT_KEY in m.response_metadata for m in messages[index + 1 :])
+
+
+def step_signals(
+    *,
+    system_prompt: str,
+    messages: Sequence[BaseMessage],
+    step: int,
+    max_steps: int,
+    conversation_max_tokens: int,
+    notice: bool,
+    count_tokens: TokenCounter = approximate_tokens,
+    tools: Sequence[BaseTool | dict[str, Any]] = (),
+    prompt_tokens: int | None = None,
+) -> StepSignals:
+    """Measure the signals of the step about to run on ``messages``.
+
+    The stable prefix is the system prompt, earlier turns and this turn's user
+    message; tool output is every tool message after it. ``prompt_tokens`` is
+    the caller's better count of the whole prompt (anchored on a server's
+    report); without it the prompt is estimated, tool schemas included.
+    """
+    start = turn_start(messages)
+    tool_output = [m for m in messages[start + 1 :] if isinstance(m, ToolMessage)]
+    if count_tokens is approximate_tokens:
+        # The default estimate adds up per message: one pass gives all three counts.
+        stable_tokens = system_tokens(system_prompt) + approximate_tokens(messages[: start + 1])
+        output_tokens = approximate_tokens(tool_output)
+    else:
+        stable_tokens = count_tokens(build_prompt(system_prompt, messages[: start + 1]))
+        output_tokens = count_tokens(tool_output) if tool_output else 0
+    if prompt_tokens is None:
+        prompt_tokens = prompt_estimate(system_prompt, messages, tools, count_tokens)
+    return StepSignals(
+        prompt_tokens=prompt_tokens,
+        conversation_max_tokens=conversation_max_tokens,
+        step=step,
+        max_steps=max_steps,
+        transient_notice=notice,
+        tool_output_tokens=output_tokens,
+        stable_prefix_tokens=stable_tokens,
+    )
 
 
 def route_step(

@@ -14,7 +14,7 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatResult
 from pydantic import Field
 
-from fusion_graph.llama import ChatLlamaServer
+from fusion_graph.providers.llama_server import ChatLlamaServer
 
 Script = list[list[tuple[str, dict[str, Any]]]]
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fusion_graph.calibration import (
+from fusion_graph.context import FusionContext
+from fusion_graph.providers.records import make_record
+from fusion_graph.replay.calibration import (
     CalibrationError,
     ScoredStep,
     ShareCount,
@@ -28,11 +30,9 @@ from fusion_graph.calibration import (
     share_of,
     split_halves,
 )
-from fusion_graph.context import FusionContext
-from fusion_graph.records import make_record
+from fusion_graph.replay.traces import load_trajectories, replay_trajectory
 from fusion_graph.routing import QUANTILE_TABLE_LENGTH, Leg, Pace, RouteDecision, StepScore
 from fusion_graph.state import RouteRecord, State, StepKind
-from fusion_graph.traces import load_trajectories, replay_trajectory
 from fusion_graph.turn import pace_of
 
 

@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatResult
 from langchain_openai import ChatOpenAI
 
-from fusion_graph.chain import (
+from fusion_graph.providers.chain import (
     Attempt,
     ChainExhausted,
     ChainLink,
@@ -25,9 +25,9 @@ from fusion_graph.chain import (
     close_chat_model,
     owned_clients,
 )
-from fusion_graph.health import HealthPolicy, RetryPolicy
-from fusion_graph.pricing import FREE, Pricing
-from fusion_graph.providers import Provider
+from fusion_graph.providers.health import HealthPolicy, RetryPolicy
+from fusion_graph.providers.models import Provider
+from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.routing import Leg
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.errors import EPOCH, URL, bad_request, llama_overflow, rate_limited, refused, request, response

@@ -16,9 +16,9 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from rich.console import Console
 from typer.testing import CliRunner
 
-from fusion_graph import cli_run
-from fusion_graph.cli import app
-from fusion_graph.cli_run import StepTable
+from fusion_graph.cli import run as cli_run
+from fusion_graph.cli.app import app
+from fusion_graph.cli.run import StepTable
 from fusion_graph.context import FusionContext
 from fusion_graph.settings import FusionSettings
 from tests.fakes import ai_calls, call, scripted

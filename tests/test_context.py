@@ -318,9 +318,9 @@ def test_loopback_connections_still_work() -> None:
 
 
 def test_readme_table_is_generated_from_the_context() -> None:
-    from fusion_graph.docs import render_readme_table
+    from fusion_graph.cli.docs import render_readme_table
 
     text = README.read_text(encoding="utf-8")
     assert render_readme_table(text) == text, (
-        "README table is stale: run `python -m fusion_graph.docs README.md`"
+        "README table is stale: run `python -m fusion_graph.cli.docs README.md`"
     )

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fusion_graph.cli.docs import config_rows, env_example, env_value
 from fusion_graph.context import FusionContext
-from fusion_graph.docs import config_rows, env_example, env_value
 from fusion_graph.settings import ENV_PREFIX, FusionSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ def settings(text: str) -> dict[str, str]:
 
 def test_the_committed_env_example_is_generated_from_the_code() -> None:
     committed = (ROOT / ".env.example").read_text(encoding="utf-8")
-    assert committed == env_example(), ".env.example is stale: run `python -m fusion_graph.docs`"
+    assert committed == env_example(), ".env.example is stale: run `python -m fusion_graph.cli.docs`"
 
 
 def test_the_env_example_lists_every_setting_once_and_the_key_unset() -> None:

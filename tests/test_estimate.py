@@ -6,7 +6,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langchain_core.messages.utils import count_tokens_approximately
 from langchain_core.tools import tool
 
-from fusion_graph.estimate import (
+from fusion_graph.sizing.estimate import (
     Estimate,
     anchor_holds,
     fingerprint,
@@ -14,7 +14,7 @@ from fusion_graph.estimate import (
     new_anchor,
     relative_error,
 )
-from fusion_graph.signals import (
+from fusion_graph.sizing.tokens import (
     TOKENS_PER_MESSAGE,
     TOKENS_PER_PROMPT,
     approximate_tokens,

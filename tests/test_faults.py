@@ -29,11 +29,12 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from langgraph.graph.state import CompiledStateGraph
 
-from fusion_graph import FusionContext, ProviderChain, ProviderResolver, build_graph
-from fusion_graph.chain import ChainExhausted, ChainLink, close_chat_model
-from fusion_graph.llama import ChatLlamaServer
-from fusion_graph.pricing import Pricing, unit_prices
+from fusion_graph import FusionContext, ProviderChain, build_graph
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
+from fusion_graph.providers import ProviderResolver
+from fusion_graph.providers.chain import ChainExhausted, ChainLink, close_chat_model
+from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.providers.pricing import Pricing, unit_prices
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.errors import LLAMA_OVERFLOW_BODY

@@ -19,7 +19,8 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-from fusion_graph import FusionContext, ProviderResolver, build_graph
+from fusion_graph import FusionContext, build_graph
+from fusion_graph.providers import ProviderResolver
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing import LlamaServer, free_port
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply

@@ -17,9 +17,9 @@ from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, build_graph
-from fusion_graph.compaction import PLACEHOLDER
 from fusion_graph.settings import ContextError, FusionSettings
-from fusion_graph.signals import CUT_KEY
+from fusion_graph.sizing.compaction import PLACEHOLDER
+from fusion_graph.sizing.tokens import CUT_KEY
 from tests.errors import llama_overflow
 from tests.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from fusion_graph.health import (
+from fusion_graph.providers.health import (
     ErrorClass,
     Health,
     HealthPolicy,
@@ -20,7 +20,7 @@ from fusion_graph.health import (
     overflow_numbers,
     retry_after,
 )
-from fusion_graph.llama import LlamaServerUnavailable
+from fusion_graph.providers.llama_server import LlamaServerUnavailable
 from tests.errors import (
     EPOCH,
     URL,

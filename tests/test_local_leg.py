@@ -21,7 +21,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import build_graph, make_workspace_tools
 from fusion_graph.context import FusionContext
-from fusion_graph.llama import ChatLlamaServer
+from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph_testing import LlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import user_input

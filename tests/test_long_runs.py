@@ -26,10 +26,10 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import build_graph, make_workspace_tools
 from fusion_graph.context import FusionContext
-from fusion_graph.llama import ChatLlamaServer
-from fusion_graph.resolver import ProviderResolver
+from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.settings import FusionSettings
-from fusion_graph.signals import CUT_KEY
+from fusion_graph.sizing.tokens import CUT_KEY
 from fusion_graph_testing import LlamaServer, chat_template
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import user_input

@@ -21,11 +21,11 @@ from langgraph.store.sqlite.aio import AsyncSqliteStore
 
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
-from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.memory import MemoryJob
 from fusion_graph.prompts import SYSTEM_PROMPT
+from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.settings import FusionSettings
-from fusion_graph.signals import build_prompt
+from fusion_graph.sizing.tokens import build_prompt
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 

@@ -23,7 +23,7 @@ from langgraph.store.sqlite.aio import AsyncSqliteStore
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import SYSTEM_PROMPT
-from fusion_graph.signals import build_prompt
+from fusion_graph.sizing.tokens import build_prompt
 from fusion_graph.state import RouteRecord
 from tests.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 

@@ -11,9 +11,10 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 
-from fusion_graph.chain import ChainLink, ProviderChain
 from fusion_graph.context import FusionContext
-from fusion_graph.pricing import (
+from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.models import Provider
+from fusion_graph.providers.pricing import (
     FREE,
     LegTotals,
     Pricing,
@@ -26,9 +27,8 @@ from fusion_graph.pricing import (
     pricing_for,
     unit_prices,
 )
-from fusion_graph.providers import Provider
-from fusion_graph.records import make_record
-from fusion_graph.resolver import ProviderResolver
+from fusion_graph.providers.records import make_record
+from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 from fusion_graph.state import RouteRecord

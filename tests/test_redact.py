@@ -151,7 +151,7 @@ def test_package_records_reach_the_application_scrubbed(caplog: pytest.LogCaptur
     key = unique()
     register_secret(key)
     caplog.set_level(logging.DEBUG)
-    child = logging.getLogger("fusion_graph.chain")
+    child = logging.getLogger("fusion_graph.providers.chain")
     child.debug("answer echoed %s", key)
     try:
         raise RuntimeError(f"provider said {key}") from KeyError(key)

@@ -7,9 +7,10 @@ import dataclasses
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 
-from fusion_graph import FusionGraph, build_graph
+from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
-from fusion_graph.replay import route_history
+from fusion_graph.replay.history import route_history
+from fusion_graph.run_queue import FusionGraph
 from tests.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 

@@ -30,10 +30,11 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from langgraph.store.sqlite.aio import AsyncSqliteStore
 
-from fusion_graph import FusionContext, ProviderResolver, build_graph, memory
-from fusion_graph.chain import ChainExhausted, ChainLink, ProviderChain
-from fusion_graph.pricing import FREE, Pricing
-from fusion_graph.providers import build_cloud_model
+from fusion_graph import FusionContext, build_graph, memory
+from fusion_graph.providers import ProviderResolver
+from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain
+from fusion_graph.providers.models import build_cloud_model
+from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.redact import REDACTED, scrub
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply

@@ -9,8 +9,8 @@ from langchain_openai import ChatOpenAI
 
 from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
-from fusion_graph.llama import ChatLlamaServer, server_root
-from fusion_graph.slots import SlotPool, slot_body
+from fusion_graph.providers.llama_server import ChatLlamaServer, server_root
+from fusion_graph.providers.slots import SlotPool, slot_body
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from fusion_graph_testing.llama_server import free_port
 from tests.fakes import user_input

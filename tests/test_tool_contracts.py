@@ -16,8 +16,8 @@ from langgraph.store.memory import InMemoryStore
 from langgraph.types import Command, interrupt
 
 from fusion_graph import FusionContext, build_graph
-from fusion_graph.llama import ChatLlamaServer
 from fusion_graph.nodes import InvalidInput
+from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.fakes import ai_calls, call, scripted, user_input
 

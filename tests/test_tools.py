@@ -11,7 +11,7 @@ from langchain_core.tools import BaseTool
 from fusion_graph.context import FusionContext
 from fusion_graph.graph import build_graph
 from fusion_graph.settings import FusionSettings
-from fusion_graph.tools import (
+from fusion_graph.tools.workspace import (
     MAX_LIST_ENTRIES,
     MAX_READ_CHARS,
     TOOLS,

@@ -55,7 +55,12 @@ def test_harness_is_not_in_the_runtime_package() -> None:
 
 def test_walk_sees_the_whole_package() -> None:
     names = runtime_modules()
-    assert {"fusion_graph", "fusion_graph.graph", "fusion_graph.llama", "fusion_graph.routing"} <= set(names)
+    assert {
+        "fusion_graph",
+        "fusion_graph.graph",
+        "fusion_graph.providers.llama_server",
+        "fusion_graph.routing",
+    } <= set(names)
     assert all(path.suffix == ".py" and path.is_file() for path in names.values())
 
 

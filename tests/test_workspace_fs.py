@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from langchain_core.tools import BaseTool
 
-from fusion_graph.tools import make_workspace_tools
-from fusion_graph.workspace_fs import TEMP_PREFIX, WorkspaceError, display_name, split_relative
+from fusion_graph.tools.files import TEMP_PREFIX, WorkspaceError, display_name, split_relative
+from fusion_graph.tools.workspace import make_workspace_tools
 
 SECRET = b"SECRET outside the workspace: safe\n"
 
@@ -254,7 +254,7 @@ _BIG_READ = textwrap.dedent(
     """
     import asyncio, json, resource, sys
     from pathlib import Path
-    from fusion_graph.tools import make_workspace_tools
+    from fusion_graph.tools.workspace import make_workspace_tools
 
     root = Path(sys.argv[1])
     with open(root / "lines.txt", "wb") as f:

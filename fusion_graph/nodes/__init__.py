@@ -1,7 +1,8 @@
 """The graph's nodes, one module per concern.
 
 - ``inference``: ``plan``, ``local``, ``cloud``, ``repair`` (one inference each, plus its batch check)
-- ``dispatch``: the batch rules and one ``Send`` per tool call to LangGraph's ``ToolNode``
+- ``dispatch``: the batch rules and one ``Send`` per tool call
+- ``tools``: LangGraph's ``ToolNode`` for one call (outputs capped by its hook)
 - ``route``: where the turn goes after a batch, decided once and handed to the executor
 - ``memory``: recall into a new turn and the memory jobs after a reply
 - ``ends``: ``step_limit``, ``give_up`` and ``unavailable`` (every provider down)
@@ -11,14 +12,16 @@ from fusion_graph.nodes.dispatch import make_tool_node, sends
 from fusion_graph.nodes.ends import give_up, step_limit, unavailable
 from fusion_graph.nodes.inference import InferenceNodes, InvalidInput, check_new_turn, thread_id_of
 from fusion_graph.nodes.memory import MemoryNodes, memory_on
-from fusion_graph.nodes.route import DESTINATIONS, RouteNode
+from fusion_graph.nodes.route import Destination, RouteNode
+from fusion_graph.nodes.tools import ToolStep
 
 __all__ = [
-    "DESTINATIONS",
+    "Destination",
     "InferenceNodes",
     "InvalidInput",
     "MemoryNodes",
     "RouteNode",
+    "ToolStep",
     "check_new_turn",
     "give_up",
     "make_tool_node",

@@ -19,11 +19,12 @@ from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import ToolCall
 from langchain_core.tools import BaseTool
 from langgraph.prebuilt import ToolNode
+from langgraph.prebuilt.tool_node import AsyncToolCallWrapper
 from langgraph.types import Send
 
-from fusion_graph.batch import plan_batch
 from fusion_graph.context import FusionContext
-from fusion_graph.signals import turn_start
+from fusion_graph.tools.batch import plan_batch
+from fusion_graph.turn import turn_start
 
 #: Argument names that say which file a call touches (calls on one file keep their order).
 PATH_ARGUMENTS = ("path", "file", "file_path", "filename")
@@ -124,9 +125,11 @@ def sends(pending: Sequence[ToolCall], node: str = "tools") -> list[Send]:
     return [Send(node, [call]) for call in next_wave(pending)]
 
 
-def make_tool_node(tools: Sequence[BaseTool]) -> ToolNode:
+def make_tool_node(
+    tools: Sequence[BaseTool], *, awrap_tool_call: AsyncToolCallWrapper | None = None
+) -> ToolNode:
     """LangGraph's ``ToolNode``: a tool's own failure becomes an error message for the model.
 
     ``GraphBubbleUp`` (``interrupt()``, ``Command`` to a parent) is never caught.
     """
-    return ToolNode(list(tools), name="tools", handle_tool_errors=True)
+    return ToolNode(list(tools), name="tools", handle_tool_errors=True, awrap_tool_call=awrap_tool_call)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.messages import AIMessage
 from langgraph.config import get_config
@@ -10,14 +10,10 @@ from langgraph.runtime import Runtime
 from langgraph.types import Command
 
 from fusion_graph import prompts
-from fusion_graph.chain import Attempt, ChainExhausted
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.internals import is_resuming
+from fusion_graph.providers.chain import Attempt, ChainExhausted
 from fusion_graph.state import State
-
-# NOTE: LangGraph marks a run that continues from a checkpoint (invoke with None,
-# or Command(resume=...)) with this configurable key; it is how ``unavailable``
-# tells a fresh failure (raise) from a resume (retry).
-RESUMING_KEY = "__pregel_resuming"
 
 
 async def step_limit(state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
@@ -35,10 +31,10 @@ async def give_up(state: State, runtime: Runtime[FusionContext]) -> dict[str, An
 
 
 #: Where ``unavailable`` can send a resumed turn: the executor whose inference failed.
-RETRY_DESTINATIONS = ("plan", "local", "cloud", "repair")
+RetryDestination = Literal["plan", "local", "cloud", "repair"]
 
 
-async def unavailable(state: State, runtime: Runtime[FusionContext]) -> Command[str]:
+async def unavailable(state: State, runtime: Runtime[FusionContext]) -> Command[RetryDestination]:
     """Every provider failed an inference: raise ``ChainExhausted``; on resume, retry it.
 
     The failed attempts are already in ``route_log`` (the executor wrote them
@@ -48,7 +44,7 @@ async def unavailable(state: State, runtime: Runtime[FusionContext]) -> Command[
     stall = state.get("stall")
     if stall is None:
         raise RuntimeError("unavailable runs only after an inference no provider answered")
-    if get_config().get("configurable", {}).get(RESUMING_KEY):
+    if is_resuming(get_config()):
         return Command(update={"stall": None}, goto=stall["node"])
     log = state.get("route_log", [])
     attempts = [Attempt(**a) for a in log[-1]["attempts"]] if log else []

@@ -21,17 +21,17 @@ from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
-from fusion_graph.chain import ChainLink
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.estimate import Estimate
-from fusion_graph.executor import ROUTE_EVENT, Inference, infer
 from fusion_graph.memory import inference_running
 from fusion_graph.nodes.dispatch import check_batch
-from fusion_graph.records import totals_of
-from fusion_graph.resolver import ProviderResolver
+from fusion_graph.providers.chain import ChainLink
+from fusion_graph.providers.inference import ROUTE_EVENT, Inference, infer
+from fusion_graph.providers.records import totals_of
+from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.providers.sizes import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
-from fusion_graph.signals import TokenCounter
-from fusion_graph.sizing import Prepared, Sizer, StepSizes, overflowed
+from fusion_graph.sizing.estimate import Estimate
+from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import RouteRecord, State, StepKind, add_totals
 from fusion_graph.turn import continuation_route, decision_of, handed_estimates, plan_route
 

@@ -12,7 +12,7 @@ decision that sent it there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
@@ -21,13 +21,13 @@ from langgraph.types import Command, Send
 
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import sends
-from fusion_graph.signals import TokenCounter
-from fusion_graph.sizing import Sizer
+from fusion_graph.providers.sizes import Sizer
+from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import State
 from fusion_graph.turn import choice_of, continuation_route, last_batch, next_step, pending_calls
 
 #: Every node ``route`` can send the turn to.
-DESTINATIONS = ("tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__")
+Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
 
 
 def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
@@ -53,7 +53,7 @@ class RouteNode:
         """Keep what the decision needs."""
         self.count_tokens, self.tools, self.memory_on, self.sizer = count_tokens, tools, memory_on, sizer
 
-    async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[str]:
+    async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
         pending = pending_calls(state["messages"])
         if pending:

@@ -1,0 +1,35 @@
+"""The ``fusion-graph`` command line: run a turn, replay and calibrate traces, report stored threads.
+
+::
+
+    fusion-graph run "Rename foo to bar in app.py" --workspace .
+    fusion-graph replay ../shared/data/traces --cloud-share 30 --plot timelines.png
+    fusion-graph calibrate ../shared/data/traces --target-cloud-fraction 0.2 --json
+    fusion-graph report --db .fusion-graph/threads.sqlite
+
+Each command lives in its own module (``run``, ``traces``, ``report``).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from fusion_graph.cli.report import report
+from fusion_graph.cli.run import run
+from fusion_graph.cli.traces import calibrate_command, replay
+
+app = typer.Typer(
+    name="fusion-graph",
+    help="Route each agent step to a cloud or a local llama-server model; replay, calibrate, report.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command()(run)
+app.command()(replay)
+app.command("calibrate")(calibrate_command)
+app.command()(report)
+
+
+if __name__ == "__main__":  # python -m fusion_graph.cli.app
+    app()

@@ -1,0 +1,42 @@
+"""The only place fusion-graph relies on LangGraph behaviour that is not public API.
+
+Each use has a ``# NOTE`` saying why no public part does the job, and
+``tests/unit/test_internals.py`` pins it against the installed langgraph, so an
+upgrade that changes it fails there instead of silently elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph.state import CompiledStateGraph
+
+# NOTE: LangGraph marks a run that continues from a checkpoint (invoke with None,
+# or ``Command(resume=...)``) with this configurable key. ``unavailable`` needs it
+# to tell a fresh failure (raise, so the caller sees ``ChainExhausted``) from a
+# resume (retry the inference): a node that raises cannot write state, and
+# ``Runtime.execution_info`` carries no resume flag.
+RESUMING_KEY = "__pregel_resuming"
+
+
+def is_resuming(config: RunnableConfig) -> bool:
+    """Whether the running task belongs to a run that resumed the thread from its checkpoint."""
+    return bool(config.get("configurable", {}).get(RESUMING_KEY))
+
+
+Compiled = TypeVar("Compiled", bound=CompiledStateGraph[Any, Any, Any, Any])
+
+
+def reclass(compiled: CompiledStateGraph[Any, Any, Any, Any], cls: type[Compiled]) -> Compiled:
+    """``compiled`` as an instance of ``cls``, a subclass of ``CompiledStateGraph`` that adds methods only.
+
+    The object is the one ``StateGraph.compile`` built (same channels, nodes, checkpointer).
+    """
+    # NOTE: ``StateGraph.compile`` has no hook for the class it builds, and the
+    # per-thread run queue and input check must wrap ``astream`` itself: they
+    # act before the input is written to the checkpoint, where no node can.
+    if type(compiled) is not CompiledStateGraph or not issubclass(cls, CompiledStateGraph):
+        raise TypeError(f"expected a CompiledStateGraph to re-class as {cls.__name__}")
+    compiled.__class__ = cls
+    return compiled  # type: ignore[return-value]

@@ -1,0 +1,92 @@
+"""Memory jobs: what a job asks for (a bounded schema) and the prompt it sends."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from langchain_core.messages import BaseMessage, HumanMessage
+from pydantic import BaseModel, Field
+
+from fusion_graph import prompts
+from fusion_graph.routing import Leg
+from fusion_graph.sizing.tokens import build_prompt
+
+logger = logging.getLogger(__name__)
+
+MEMORY_MESSAGE_NAME = prompts.MEMORY_MESSAGE_NAME
+
+
+class MemoryItem(BaseModel):
+    """One thing worth remembering."""
+
+    kind: Literal["fact", "decision", "task"] = Field(description="fact, decision or open task")
+    text: str = Field(min_length=1, max_length=240, description="One self-contained sentence.")
+
+
+class TurnMemories(BaseModel):
+    """What a turn leaves behind (bounded, so a constrained local model always terminates)."""
+
+    items: list[MemoryItem] = Field(default_factory=list, max_length=8)
+
+
+@dataclass(frozen=True)
+class MemoryJob:
+    """A structured memory job: a schema with a list field ``items`` of objects to store."""
+
+    name: str
+    schema: type[BaseModel]
+    instructions: str = prompts.MEMORY_INSTRUCTIONS
+
+    def items(self, result: BaseModel) -> list[dict[str, Any]]:
+        """The objects to store from a validated result."""
+        raw = result.model_dump(mode="json")
+        items = raw.get("items")
+        return [dict(item) for item in items] if isinstance(items, list) else [raw]
+
+    def response_format(self) -> dict[str, Any]:
+        """OpenAI ``response_format``: llama-server turns it into a grammar."""
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": self.name, "schema": self.schema.model_json_schema()},
+        }
+
+
+DEFAULT_JOBS: tuple[MemoryJob, ...] = (MemoryJob("turn_memories", TurnMemories),)
+
+
+def job_prompt(system_prompt: str, messages: Sequence[BaseMessage], job: MemoryJob) -> list[BaseMessage]:
+    """The conversation exactly as a step sends it (``build_prompt``), then the job's instructions."""
+    return [*build_prompt(system_prompt, messages), HumanMessage(job.instructions)]
+
+
+@dataclass(frozen=True)
+class JobTicket:
+    """One memory run of a thread: what it covers and where it writes (its job log entry).
+
+    Attributes:
+        namespace: The memories' namespace (the job log is ``jobs_namespace`` of it).
+        thread_id: The thread whose conversation the jobs read.
+        turn: Turn of the thread when the run was started.
+        step: Last step of that turn the run covers.
+        covers: How many of the thread's messages (from the first) the jobs read.
+        last_message_id: Id of the last message covered, to check the thread still has it.
+        leg: The ``sub_runners`` leg.
+        attempt: 1 for the first run, then one more per re-run after a crash.
+    """
+
+    namespace: tuple[str, ...]
+    thread_id: str
+    turn: int
+    step: int
+    covers: int
+    last_message_id: str | None
+    leg: Leg
+    attempt: int = 1
+
+    @property
+    def key(self) -> str:
+        """The job log key (also the prefix of the items' keys, so a re-run overwrites them)."""
+        return f"{self.thread_id}:{self.turn}:{self.step}"

@@ -1,0 +1,117 @@
+"""The memories in the LangGraph store: namespaces, recall into a turn, and writes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from langchain_core.messages import HumanMessage
+from langchain_core.runnables import RunnableConfig
+from langgraph.store.base import BaseStore, SearchItem
+from pydantic import BaseModel
+
+from fusion_graph import prompts
+from fusion_graph.memory.jobs import MEMORY_MESSAGE_NAME, JobTicket, MemoryJob
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE_ROOT = "fusion_memories"
+JOBS_NAMESPACE_ROOT = f"{NAMESPACE_ROOT}_jobs"
+
+
+def namespace(assistant_id: str, user_id: str) -> tuple[str, ...]:
+    """The store namespace of an assistant's memories about one user."""
+    return (NAMESPACE_ROOT, assistant_id, user_id)
+
+
+def jobs_namespace(ns: tuple[str, ...]) -> tuple[str, ...]:
+    """The job log beside the memories (outside their search prefix)."""
+    return (JOBS_NAMESPACE_ROOT, *ns[1:])
+
+
+def memories_namespace(jobs_ns: tuple[str, ...]) -> tuple[str, ...]:
+    """The memories a job log belongs to (the inverse of ``jobs_namespace``)."""
+    return (NAMESPACE_ROOT, *jobs_ns[1:])
+
+
+def namespace_of(config: RunnableConfig, graph_name: str) -> tuple[str, ...]:
+    """The namespace for a run: LangGraph's ``assistant_id`` and authenticated user, if any."""
+    configurable = config.get("configurable", {})
+    metadata = config.get("metadata", {})
+    assistant = configurable.get("assistant_id") or metadata.get("assistant_id") or graph_name
+    user = configurable.get("user_id") or configurable.get("langgraph_auth_user_id") or "anonymous"
+    return namespace(str(assistant), str(user))
+
+
+async def recall(store: BaseStore, ns: tuple[str, ...], query: str, limit: int) -> list[SearchItem]:
+    """The ``limit`` most relevant memories (semantic score when the store has an index), newest first."""
+    if limit <= 0:
+        return []
+    found = await store.asearch(ns, query=query or None, limit=max(limit * 5, 50))
+    found.sort(key=lambda item: (item.score or 0.0, item.created_at), reverse=True)
+    return found[:limit]
+
+
+def memory_message(items: Sequence[SearchItem]) -> HumanMessage | None:
+    """The message that brings recalled memories into a turn (``None`` when there are none).
+
+    It is stored in the thread like any message, so every later step shares
+    the same prefix and llama-server's cache is not broken by it.
+    """
+    lines = [f"- [{item.value.get('kind', 'note')}] {item.value.get('text', '')}" for item in items]
+    if not lines:
+        return None
+    text = prompts.RECALLED_MEMORIES.format(items="\n".join(lines))
+    return HumanMessage(content=text, name=MEMORY_MESSAGE_NAME)
+
+
+async def store_items(
+    store: BaseStore, job: MemoryJob, result: BaseModel, *, ticket: JobTicket
+) -> list[dict[str, Any]]:
+    """Write a validated result's items, each tagged with where it came from.
+
+    Keys derive from the ticket, so a re-run after a crash overwrites what the
+    interrupted run stored instead of adding a second copy.
+    """
+    ns = ticket.namespace
+    stored = []
+    now = now_iso()
+    keys = []
+    for index, item in enumerate(job.items(result)):
+        value = {
+            **item,
+            "job": job.name,
+            "thread_id": ticket.thread_id,
+            "turn": ticket.turn,
+            "step": ticket.step,
+            "at": now,
+        }
+        key = f"{ticket.key}:{job.name}:{index}"
+        await store.aput(ns, key, value)
+        keys.append(key)
+        stored.append(value)
+    if ticket.attempt > 1:  # an earlier run may have stored more items than this one
+        where = {"thread_id": ticket.thread_id, "turn": ticket.turn, "step": ticket.step, "job": job.name}
+        for old in await search_all(store, ns, where):
+            if old.key not in keys:
+                await store.adelete(ns, old.key)
+    return stored
+
+
+async def search_all(
+    store: BaseStore, prefix: tuple[str, ...], filter: dict[str, Any], page: int = 200
+) -> list[SearchItem]:
+    """Every item under ``prefix`` matching ``filter``, page by page."""
+    found: list[SearchItem] = []
+    while True:
+        batch = await store.asearch(prefix, filter=filter, limit=page, offset=len(found))
+        found.extend(batch)
+        if len(batch) < page:
+            return found
+
+
+def now_iso() -> str:
+    """Now, in UTC, as ISO 8601 (the job log's timestamps)."""
+    return datetime.now(UTC).isoformat()

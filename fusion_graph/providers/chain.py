@@ -1,0 +1,445 @@
+"""The provider chain: who answers a step when the routed provider cannot.
+
+Providers (``ChainLink``) sit in one ordered list across both legs, each with a
+circuit (``Health``): failures within a window put it in cooldown, the first
+use after the cooldown is a probe (half-open), and the probe closes or
+re-opens the circuit. A call's start is, in order: ``prefer_provider``
+(repairs), the first link of ``preferred_leg`` (the router), the operator's
+override, the first available link; a start in cooldown, or one whose window
+cannot hold the request (``fits``), is skipped. So the
+routed leg beats the override, which is only the default start, and a routed
+call never touches the override. On a failure the walk resumes from the head,
+skipping links that already failed in this call: local down runs on cloud and
+vice versa, and a request that overflowed a window walks on to a larger one.
+A half-open link used as a preferred start is probed (its circuit learns
+from the call) but not *reported* as a probe: ``probe`` says the chain's
+health logic, not the router, chose the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from langchain_core.language_models import BaseChatModel
+from langchain_openai import ChatOpenAI
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from fusion_graph.providers.health import (
+    HEALTH_FAILURES,
+    NO_FALLOVER,
+    RETRY_IN_PLACE,
+    ErrorClass,
+    Health,
+    HealthPolicy,
+    RetryPolicy,
+    classify,
+    overflow_numbers,
+    retry_after,
+)
+from fusion_graph.providers.models import Provider
+from fusion_graph.providers.pricing import Pricing, pricing_for
+from fusion_graph.redact import register_model_secrets, scrub
+from fusion_graph.routing import Leg
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+Clock = Callable[[], float]
+Closer = Callable[[BaseChatModel], Awaitable[None]]
+
+
+def owned_clients(model: BaseChatModel) -> list[object]:
+    """The HTTP clients ``model`` owns, i.e. those safe to close with it.
+
+    langchain-openai shares one cached default httpx client among every
+    ``ChatOpenAI`` with the same base URL and (hashable) timeout; closing it
+    would break the siblings, including a provider's replacement. Owned are
+    explicit ``http_client``/``http_async_client`` (also per model under
+    ``openai_proxy``) and the private clients built for an unhashable timeout.
+    """
+    if not isinstance(model, ChatOpenAI):
+        return []
+    owned: list[object] = [c for c in (model.http_async_client, model.http_client) if c is not None]
+    try:
+        hash(model.request_timeout)
+    except TypeError:
+        pairs = ((model.http_async_client, model.root_async_client), (model.http_client, model.root_client))
+        owned += [root for explicit, root in pairs if explicit is None and root is not None]
+    return owned
+
+
+async def close_chat_model(model: BaseChatModel) -> None:
+    """The default ``Closer``: close the HTTP clients ``model`` owns (see ``owned_clients``)."""
+    for client in owned_clients(model):
+        closer = getattr(client, "aclose", None) or getattr(client, "close", None)
+        result = closer() if closer is not None else None
+        if isinstance(result, Awaitable):
+            await result
+
+
+@dataclass(eq=False)
+class ChainLink:
+    """A provider in the chain. Links compare by identity: a rebuilt provider is a new link.
+
+    ``window``: tokens the provider holds per request (prompt + completion); ``None``
+    lets the resolver find it (operator setting, llama-server's ``/props``, the
+    model's profile).
+    """
+
+    id: str
+    leg: Leg
+    model: BaseChatModel
+    pricing: Pricing
+    close: Closer = close_chat_model
+    window: int | None = None
+    _closed: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        register_model_secrets(self.model)  # its key is scrubbed from error texts from now on
+
+    @classmethod
+    def from_provider(
+        cls, provider: Provider, pricing: Pricing | None = None, close: Closer = close_chat_model
+    ) -> ChainLink:
+        """Wrap a ``providers.Provider``; ``pricing`` defaults to ``pricing_for(provider)``."""
+        return cls(provider.id, provider.leg, provider.model, pricing or pricing_for(provider), close)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``aclose`` ran."""
+        return self._closed
+
+    def as_provider(self) -> Provider:
+        """This link as a ``providers.Provider`` (slot pools, call configs, ``base_url``)."""
+        return Provider(id=self.id, leg=self.leg, model=self.model)
+
+    async def aclose(self) -> None:
+        """Tear the model down; idempotent, so it happens at most once."""
+        if not self._closed:
+            self._closed = True
+            await self.close(self.model)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One failed try within a call; ``error`` is the exception's class name.
+
+    ``message`` is the error text scrubbed of secrets (``redact.scrub``), at most 500 characters.
+    ``prompt_tokens``: the request's size as a ``context_overflow`` error reported it.
+    """
+
+    provider: str
+    leg: Leg
+    error: str
+    kind: ErrorClass
+    message: str
+    latency_s: float
+    health_failure: bool
+    probe: bool
+    retry_after_s: float | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ChainOutcome(Generic[T]):
+    """A call that got an answer: who gave it, and which attempts failed before it.
+
+    ``preferred``: the answer came from the preferred start. ``probe``: the
+    chain's health logic picked a half-open link (never a preferred start).
+    """
+
+    provider: ChainLink
+    answer: T
+    attempts: tuple[Attempt, ...]
+    probe: bool
+    preferred: bool
+    latency_s: float
+
+
+def _any_link(link: ChainLink) -> bool:
+    """The default ``fits``: every link can hold the request."""
+    return True
+
+
+class ChainExhausted(RuntimeError):
+    """Every provider failed or is cooling down; ``attempts`` holds this call's failures.
+
+    Raised ``from None``: the providers' exceptions are not chained, because
+    their text, ``body`` and ``response`` may carry the API key (some gateways
+    echo it in a 401) and a chained cause is printed by every traceback, e.g.
+    the LangGraph server's run-error log. The message and ``attempts`` are the
+    scrubbed summary (class, kind, message, latency of each failure).
+    """
+
+    def __init__(self, message: str, attempts: Sequence[Attempt], retry_in_s: float | None) -> None:
+        super().__init__(message)
+        self.attempts, self.retry_in_s = tuple(attempts), retry_in_s
+
+
+class ProviderChain:
+    """Ordered providers across both legs: health, fallover, an operator override and lifecycle.
+
+    Links are reference-counted: ``acquire``/``release`` (or ``hold``) pin one,
+    an in-flight call holds the link it calls, and a link is closed exactly once,
+    when it has left the chain (``replace``, ``aclose``) and nothing holds it.
+    """
+
+    def __init__(
+        self,
+        links: Sequence[ChainLink],
+        *,
+        policy: HealthPolicy | None = None,
+        retry: RetryPolicy | None = None,
+        clock: Clock = time.monotonic,
+        wall_clock: Clock = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        """Build a chain; ``clock`` times cooldowns, ``wall_clock`` reads HTTP-date Retry-After."""
+        self._policy, self._retry = policy or HealthPolicy(), retry or RetryPolicy()
+        self._clock, self._wall_clock, self._sleep = clock, wall_clock, sleep
+        self._links: list[ChainLink] = []
+        self._health: dict[ChainLink, Health] = {}
+        self._holds: dict[ChainLink, int] = {}
+        self._override: str | None = None
+        self._closed = False
+        self._install(links)
+
+    def _install(self, links: Sequence[ChainLink]) -> list[ChainLink]:
+        ids = [link.id for link in links]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"provider ids must be unique in a chain, got {ids}")
+        removed = [link for link in self._links if link not in links]
+        self._links = list(links)
+        self._health = {link: self._health.get(link) or Health(self._policy) for link in links}
+        self._override = self._override if self._override in ids else None
+        return removed
+
+    @property
+    def links(self) -> tuple[ChainLink, ...]:
+        """The links in chain order."""
+        return tuple(self._links)
+
+    @property
+    def override(self) -> str | None:
+        """The operator's pinned default start, if any."""
+        return self._override
+
+    def link(self, provider_id: str) -> ChainLink:
+        """The link called ``provider_id``; ``KeyError`` when it is not in the chain."""
+        for link in self._links:
+            if link.id == provider_id:
+                return link
+        raise KeyError(f"no provider {provider_id!r} in the chain ({[x.id for x in self._links]})")
+
+    def leg_of(self, provider_id: str) -> Leg | None:
+        """The leg of ``provider_id`` (``None`` if absent): the ``leg_of`` of ``chain_totals``."""
+        return next((link.leg for link in self._links if link.id == provider_id), None)
+
+    def set_override(self, provider_id: str | None) -> None:
+        """Pin (``None``: unpin) the default start. A switch closes nothing: all links stay."""
+        if provider_id is not None:
+            self.link(provider_id)
+        self._override = provider_id
+
+    def health(self, provider_id: str) -> Health:
+        """The circuit of ``provider_id`` (read ``state(now)``, ``cooldown_until``, ``last_error``)."""
+        return self._health[self.link(provider_id)]
+
+    def acquire(self, provider_id: str) -> ChainLink:
+        """Pin a link (e.g. the router's pick for a leg) so no swap closes it; pair with ``release``."""
+        if self._closed:
+            raise RuntimeError("the provider chain is closed")
+        link = self.link(provider_id)
+        self._holds[link] = self._holds.get(link, 0) + 1
+        return link
+
+    async def release(self, link: ChainLink) -> None:
+        """Drop one hold; the last one closes the link if it has left the chain."""
+        count = self._holds.get(link, 0)
+        if count <= 0:
+            raise ValueError(f"provider {link.id!r} is not held")
+        if count > 1:
+            self._holds[link] = count - 1
+            return
+        del self._holds[link]
+        if link not in self._links:
+            await self._close([link])
+
+    @contextlib.asynccontextmanager
+    async def hold(self, provider_id: str) -> AsyncIterator[ChainLink]:
+        """``acquire``/``release`` as an async context manager."""
+        link = self.acquire(provider_id)
+        try:
+            yield link
+        finally:
+            await self.release(link)
+
+    async def replace(self, links: Sequence[ChainLink]) -> None:
+        """Swap the provider list; links that left close now, or on their last release.
+
+        Kept links (the same objects) keep their health; new ones start healthy.
+        The override is cleared when its provider left.
+        """
+        removed = self._install(links)
+        await self._close([link for link in removed if link not in self._holds])
+
+    async def aclose(self) -> None:
+        """Close every link nothing holds; held ones close on their last release."""
+        self._closed = True
+        await self.replace([])
+
+    async def _close(self, links: Sequence[ChainLink]) -> None:
+        for link in links:
+            try:
+                await link.aclose()
+            except Exception:
+                logger.exception("closing provider %s failed", link.id)
+
+    def _start(
+        self, leg: Leg | None, provider_id: str | None, fits: Callable[[ChainLink], bool]
+    ) -> tuple[ChainLink | None, bool]:
+        now = self._clock()
+        first_of_leg = [x for x in self._links if x.leg == leg and fits(x)][:1]
+        for link in [x for x in self._links if x.id == provider_id and fits(x)] + first_of_leg:
+            if self._health[link].available(now):
+                return link, True
+        pinned = [
+            x for x in self._links if x.id == self._override and self._health[x].available(now) and fits(x)
+        ]
+        return next(iter(pinned), None), False
+
+    def _next(self, failed: set[ChainLink], fits: Callable[[ChainLink], bool]) -> ChainLink | None:
+        now = self._clock()
+        return next(
+            (x for x in self._links if x not in failed and fits(x) and self._health[x].available(now)), None
+        )
+
+    async def call(
+        self,
+        invoke: Callable[[ChainLink], Awaitable[T]],
+        *,
+        preferred_leg: Leg | None = None,
+        prefer_provider: str | None = None,
+        on_attempt: Callable[[Attempt], None] | None = None,
+        fits: Callable[[ChainLink], bool] | None = None,
+    ) -> ChainOutcome[T]:
+        """Run ``invoke`` on the chain's providers until one answers.
+
+        Args:
+            invoke: Makes the inference on the given link (e.g. with ``link.model``).
+            preferred_leg: The router's leg; the walk starts at that leg's first link.
+            prefer_provider: A provider id to start at before that (repairs).
+            on_attempt: Called with each failed attempt as it happens.
+            fits: Whether a link can hold the request (``fit.fits``); links that cannot are
+                skipped like links in cooldown. Asked again before each next link, so an
+                attempt that overflowed a window (``context_overflow``, seen by ``on_attempt``)
+                can rule out every link no larger.
+
+        Raises:
+            ChainExhausted: Every provider failed, is cooling down or cannot hold the request.
+            Exception: A ``bad_request`` or unknown (``other``) error, re-raised unchanged but for a note
+                listing the (scrubbed) attempts: the request would fail on any provider. Its own text
+                is the provider's; scrub it (``redact.scrub``) before logging or storing it.
+        """
+        if self._closed:
+            raise RuntimeError("the provider chain is closed")
+        can_hold = fits or _any_link
+        attempts: list[Attempt] = []
+        failed: set[ChainLink] = set()
+        began = self._clock()
+        link, preferred = self._start(preferred_leg, prefer_provider, can_hold)
+        link = link or self._next(failed, can_hold)
+        while link is not None:
+            try:
+                answer, probe = await self._attempt(link, invoke, preferred, attempts, on_attempt)
+            except Exception as error:
+                if classify(error) in NO_FALLOVER:
+                    error.add_note(scrub(f"provider chain attempts: {attempts}"))
+                    raise
+                failed.add(link)
+            else:
+                return ChainOutcome(link, answer, tuple(attempts), probe, preferred, self._clock() - began)
+            link, preferred = self._next(failed, can_hold), False
+        raise self._exhausted(attempts) from None  # see ChainExhausted: no raw provider error
+
+    async def _attempt(
+        self,
+        link: ChainLink,
+        invoke: Callable[[ChainLink], Awaitable[T]],
+        preferred: bool,
+        attempts: list[Attempt],
+        on_attempt: Callable[[Attempt], None] | None,
+    ) -> tuple[T, bool]:
+        health = self._health[link]
+        health_probe = health.state(self._clock()) == "half_open"
+        reported = health_probe and not preferred
+        health.probing = health.probing or health_probe
+        self._holds[link] = self._holds.get(link, 0) + 1  # an in-flight call keeps its link open
+
+        def in_place(error: BaseException) -> bool:
+            transient = isinstance(error, Exception) and classify(error) in RETRY_IN_PLACE
+            return transient and health.state(self._clock()) != "cooldown"
+
+        async def once() -> T:
+            started = self._clock()
+            try:
+                return await invoke(link)
+            except Exception as error:
+                attempts.append(self._failed(link, health, error, started, reported))
+                if on_attempt is not None:
+                    on_attempt(attempts[-1])
+                raise
+
+        try:
+            if self._retry.attempts == 0:  # the default: the chain itself is the retry
+                answer = await once()
+            else:
+                retrying = AsyncRetrying(
+                    stop=stop_after_attempt(1 + self._retry.attempts),
+                    wait=wait_exponential_jitter(
+                        multiplier=self._retry.initial_s, max=self._retry.max_s, jitter=self._retry.jitter_s
+                    ),
+                    retry=retry_if_exception(in_place),
+                    sleep=self._sleep,
+                    reraise=True,
+                )
+                answer = await retrying(once)
+            if health_probe:
+                health.recovered()
+            return answer, reported
+        finally:
+            health.probing = health.probing and not health_probe
+            await self.release(link)
+
+    def _failed(
+        self, link: ChainLink, health: Health, error: Exception, start: float, probe: bool
+    ) -> Attempt:
+        kind, name = classify(error), type(error).__name__
+        hurt = kind in HEALTH_FAILURES
+        wait = retry_after(error, self._wall_clock()) if hurt else None
+        if hurt:
+            health.failed(self._clock(), f"{name}: {error}", wait, immediate=kind == "rate_limited")
+        latency = self._clock() - start
+        message = scrub(str(error))[:500]  # scrub first: a cut could leave part of a key unmatched
+        size = overflow_numbers(error)[0] if kind == "context_overflow" else None
+        return Attempt(link.id, link.leg, name, kind, message, latency, hurt, probe, wait, size)
+
+    def _exhausted(self, attempts: Sequence[Attempt]) -> ChainExhausted:
+        now, lines, backs = self._clock(), [], []
+        for link in self._links:
+            health, tried = self._health[link], [a for a in attempts if a.provider == link.id]
+            what = f"{tried[-1].error} [{tried[-1].kind}] {tried[-1].message}" if tried else "not tried"
+            what += f" (last error: {health.last_error})" if not tried and health.last_error else ""
+            when = f"available ({len(health.failures)} recent failures)"
+            if health.cooldown_until is not None:
+                backs.append(max(health.cooldown_until - now, 0.0))
+                when = f"cooling down, back in {backs[-1]:.1f}s" if backs[-1] else "due for a probe"
+            lines.append(f"  - {link.id} ({link.leg}): {what}; {when}")
+        head = f"every provider failed or is cooling down ({len(attempts)} failed attempts)"
+        message = head + (":\n" + "\n".join(lines) if lines else ": the chain is empty")
+        return ChainExhausted(scrub(message), attempts, min(backs) if backs else None)

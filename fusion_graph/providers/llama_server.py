@@ -1,0 +1,178 @@
+"""llama-server as the local leg: its chat model and its ``/props`` discovery.
+
+``ChatLlamaServer`` is ``ChatOpenAI`` (with repairable tool arguments) that keeps llama-server's ``timings``
+object (``prompt_n`` processed, ``cache_n`` reused, ``prompt_ms``), which
+langchain-openai otherwise drops, in the answer's ``response_metadata``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+
+from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
+
+START_HINT = (
+    "start one with: llama-server -m MODEL.gguf --jinja -np 4 -c 32768 --port 8080 "
+    "(explicit -np keeps one KV cache per slot; context per slot is -c / -np)"
+)
+
+
+class LlamaServerUnavailable(ConnectionError):
+    """llama-server could not be reached; the message names the URL and how to start one."""
+
+
+def server_root(base_url: str) -> str:
+    """``http://host:port`` from an OpenAI-style ``.../v1`` base URL."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+class NotLlamaServer(ValueError):
+    """The local endpoint answers, but not as llama-server (no ``/props`` with ``total_slots``)."""
+
+
+@dataclass(frozen=True)
+class ServerProps:
+    """What llama-server says about itself (``GET /props``).
+
+    Attributes:
+        total_slots: Parallel slots (its ``-np``).
+        slot_window: Tokens one slot holds (``-c / -np``, padded by llama.cpp), or ``None``
+            when the server does not say.
+    """
+
+    total_slots: int
+    slot_window: int | None
+
+
+def _slot_window(props: dict[str, Any], total: int) -> int | None:
+    """The per-slot context from ``/props``: ``default_generation_settings.n_ctx``, else ``n_ctx / total``."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    if isinstance(n_ctx, int) and n_ctx > 0:
+        return n_ctx  # per slot in current llama-server
+    whole = props.get("n_ctx")
+    return whole // total if isinstance(whole, int) and whole > 0 else None
+
+
+async def fetch_props(base_url: str, *, timeout: float = 5.0) -> ServerProps:
+    """Ask llama-server for its slots and per-slot window (``GET /props``).
+
+    Raises:
+        LlamaServerUnavailable: The server could not be reached.
+        NotLlamaServer: It answered, but is not llama-server (e.g. another
+            OpenAI-compatible server), so there are no slots to pin.
+    """
+    url = server_root(base_url) + "/props"
+    # Building a client loads certificates (blocking I/O): do it off the event loop.
+    client = await asyncio.to_thread(httpx.AsyncClient, timeout=timeout)
+    try:
+        async with client:
+            response = await client.get(url)
+    except httpx.HTTPError as error:
+        raise LlamaServerUnavailable(f"cannot read {url} ({error!r}); {START_HINT}") from error
+    if response.status_code >= 500:
+        raise LlamaServerUnavailable(f"{url} answered {response.status_code}; is llama-server still loading?")
+    try:
+        props = response.json() if response.status_code == 200 else None
+    except ValueError:
+        props = None
+    total = props.get("total_slots") if isinstance(props, dict) else None
+    if not isinstance(props, dict) or not isinstance(total, int) or total < 1:
+        raise NotLlamaServer(
+            f"{url} did not report total_slots (HTTP {response.status_code}): not llama-server"
+        )
+    return ServerProps(total, _slot_window(props, total))
+
+
+async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
+    """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``).
+
+    Raises:
+        LlamaServerUnavailable: The server could not be reached.
+        NotLlamaServer: It answered, but is not llama-server.
+    """
+    return (await fetch_props(base_url, timeout=timeout)).total_slots
+
+
+async def count_prompt_tokens(
+    base_url: str,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] = (),
+    *,
+    timeout: float = 10.0,
+    client: httpx.AsyncClient | None = None,
+) -> int:
+    """Tokens llama-server makes of a chat request: ``/apply-template``, then ``/tokenize``.
+
+    ``messages`` and ``tools`` are OpenAI-format dicts, as sent to ``/v1/chat/completions``;
+    the count is the prompt the server would process (template, tools, special tokens).
+
+    Raises:
+        httpx.HTTPError: The server could not be reached or refused either call.
+    """
+    root = server_root(base_url)
+    body: dict[str, Any] = {"messages": list(messages)}
+    if tools:
+        body["tools"] = list(tools)
+    own = client is None
+    if client is None:
+        client = await asyncio.to_thread(httpx.AsyncClient, timeout=timeout)
+    try:
+        rendered = await client.post(root + "/apply-template", json=body)
+        rendered.raise_for_status()
+        prompt = rendered.json()["prompt"]
+        tokenized = await client.post(
+            root + "/tokenize", json={"content": prompt, "add_special": True, "parse_special": True}
+        )
+        tokenized.raise_for_status()
+        return len(tokenized.json()["tokens"])
+    finally:
+        if own:
+            await client.aclose()
+
+
+def timings_of(payload: Any) -> dict[str, Any] | None:
+    """The ``timings`` object of a llama-server response or stream chunk, if any."""
+    if isinstance(payload, openai.BaseModel):
+        payload = payload.model_dump()
+    if isinstance(payload, dict):
+        timings = payload.get("timings")
+        if isinstance(timings, dict):
+            return timings
+    return None
+
+
+class ChatLlamaServer(ChatOpenAICompatible):
+    """``ChatOpenAI`` for llama-server that keeps its ``timings`` in ``response_metadata``."""
+
+    def _create_chat_result(
+        self, response: dict[str, Any] | openai.BaseModel, generation_info: dict[str, Any] | None = None
+    ) -> ChatResult:
+        result = super()._create_chat_result(response, generation_info)
+        timings = timings_of(response)
+        if timings is not None:
+            for generation in result.generations:
+                generation.message.response_metadata["timings"] = timings
+        return result
+
+    def _convert_chunk_to_generation_chunk(
+        self,
+        chunk: dict[str, Any],
+        default_chunk_class: type,
+        base_generation_info: dict[str, Any] | None,
+    ) -> ChatGenerationChunk | None:
+        generation = super()._convert_chunk_to_generation_chunk(
+            chunk, default_chunk_class, base_generation_info
+        )
+        timings = timings_of(chunk)
+        if generation is not None and timings is not None:
+            generation.message.response_metadata["timings"] = timings
+        return generation

@@ -1,0 +1,98 @@
+"""Providers: who answers a leg's inference, and the default models built from the settings.
+
+A ``Provider`` is an id, the leg it serves and its chat model. Default models
+are OpenAI-compatible ``ChatOpenAI`` clients with their own HTTP client (so
+closing a provider really releases its connections) and no client-side
+retries: the provider chain is the retry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from langchain_core.language_models import BaseChatModel
+from langchain_openai import ChatOpenAI
+
+from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
+from fusion_graph.redact import register_secret
+from fusion_graph.routing import Leg
+from fusion_graph.settings import FusionSettings
+
+#: llama-server ignores the key, but the OpenAI client insists on one.
+LOCAL_API_KEY = "sk-no-key-required"
+
+
+class ProviderConfigError(ValueError):
+    """A provider cannot be built from the context; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One answering endpoint: its id (as recorded in ``route_log``), leg and model."""
+
+    id: str
+    leg: Leg
+    model: BaseChatModel
+
+    @property
+    def base_url(self) -> str | None:
+        """The OpenAI-compatible base URL when the model speaks that wire format."""
+        if isinstance(self.model, ChatOpenAI):
+            return self.model.openai_api_base or None
+        return None
+
+
+def model_name(model: BaseChatModel) -> str:
+    """A readable name for a chat model (its ``model_name``/``model`` or class name)."""
+    for attr in ("model_name", "model"):
+        value = getattr(model, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return type(model).__name__
+
+
+def build_cloud_model(settings: FusionSettings) -> BaseChatModel:
+    """The cloud leg's default model: OpenAI, or any OpenAI-compatible ``cloud_base_url``.
+
+    The key is registered with ``redact.register_secret``, so no error text
+    fusion-graph records or logs can carry it.
+    """
+    secret = settings.api_key()
+    key = secret.get_secret_value() if secret is not None else None
+    register_secret(key)
+    if not key:
+        raise ProviderConfigError(
+            f"the cloud leg needs an API key: set the environment variable "
+            f"{settings.cloud_api_key_env} (named by FUSION_CLOUD_API_KEY_ENV) or FUSION_CLOUD_API_KEY, pass "
+            "cloud_model=... to build_graph, or run with mode='local'"
+        )
+    kwargs: dict[str, Any] = {}
+    if settings.cloud_base_url:
+        kwargs["base_url"] = settings.cloud_base_url
+    return ChatOpenAICompatible(
+        model=settings.cloud_model,
+        api_key=secret,
+        timeout=settings.request_timeout,
+        max_retries=0,
+        stream_usage=True,
+        http_async_client=httpx.AsyncClient(timeout=settings.request_timeout),
+        **kwargs,
+    )
+
+
+def build_local_model(settings: FusionSettings) -> BaseChatModel:
+    """The local leg's default model: llama-server's OpenAI-compatible API."""
+    return ChatLlamaServer(
+        model=settings.local_model,
+        base_url=settings.local_base_url,
+        api_key=LOCAL_API_KEY,
+        timeout=settings.request_timeout,
+        max_retries=0,
+        http_async_client=httpx.AsyncClient(timeout=settings.request_timeout),
+        # langchain-openai only asks for streamed usage by itself when no
+        # base_url is set; llama-server's cache numbers ride on that usage.
+        stream_usage=True,
+    )

@@ -1,0 +1,267 @@
+"""Resolve, for a run's context, the provider chain its inferences go through.
+
+The graph owns one ``ProviderResolver``, built from the operator's
+``FusionSettings``; a run's context can only narrow them (``settings.narrow``).
+Links (a provider with its pricing) are built once per distinct setting and
+shared by every chain that uses them, so a run that picks another allowed
+cloud model never closes a provider another chain or an in-flight step still
+uses; ``aclose`` closes each link exactly once. It also keeps the llama-server slot pools, which must
+outlive single runs so live threads keep their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.language_models import BaseChatModel
+
+from fusion_graph.context import FusionContext
+from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.health import HealthPolicy
+from fusion_graph.providers.llama_server import (
+    LlamaServerUnavailable,
+    NotLlamaServer,
+    ServerProps,
+    fetch_props,
+)
+from fusion_graph.providers.models import Provider, build_cloud_model, build_local_model, model_name
+from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
+from fusion_graph.providers.slots import SlotPool
+from fusion_graph.routing import Leg
+from fusion_graph.settings import FusionSettings
+
+logger = logging.getLogger(__name__)
+
+#: The cloud window when neither the operator nor the model's profile says (most current cloud
+#: chat models hold at least this much).
+DEFAULT_CLOUD_WINDOW = 128_000
+
+
+@dataclass(frozen=True)
+class Prices:
+    """The context's price settings, as ``pricing.default_pricing`` takes them.
+
+    Attributes:
+        overrides: Fixed prices by provider id (any leg) or model name (cloud links only).
+        local: The local leg's price (``local_price_per_mtok``).
+        cloud_like: The catalogue provider the cloud leg bills like (``cloud_price_like``).
+    """
+
+    overrides: dict[str, TokenPrices]
+    local: TokenPrices
+    cloud_like: str | None
+
+    def key(self, leg: Leg) -> tuple[Any, ...]:
+        """What a link of ``leg`` is priced by, hashable (part of its cache key)."""
+        shared = tuple(sorted(self.overrides.items()))
+        return (shared, self.local) if leg == "local" else (shared, self.cloud_like)
+
+    def pricing(self, provider: Provider) -> Pricing:
+        """The pricing of ``provider`` by its leg (see ``pricing.default_pricing``)."""
+        return pricing_for(provider, overrides=self.overrides, local=self.local, price_like=self.cloud_like)
+
+
+def _prices(settings: FusionSettings) -> Prices:
+    """The context's price settings; an unknown ``cloud_price_like`` is refused with the known ones."""
+    overrides = {
+        key: TokenPrices(input=value[0], output=value[1], cached_input=value[2])
+        for key, value in settings.price_overrides.items()
+    }
+    local_in, local_out = settings.local_price_per_mtok
+    local = TokenPrices(input=local_in, output=local_out, cached_input=local_in)
+    like = check_price_like(settings.cloud_price_like) if settings.cloud_price_like else None
+    return Prices(overrides, local, like)
+
+
+class ProviderResolver:
+    """Chains per context, links per setting, slot pools per llama-server."""
+
+    def __init__(
+        self,
+        *,
+        cloud: BaseChatModel | None = None,
+        local: BaseChatModel | None = None,
+        chain: ProviderChain | None = None,
+        settings: FusionSettings | None = None,
+    ) -> None:
+        """Use ``chain`` as given, or build a cloud+local chain from injected models and the settings.
+
+        ``settings`` defaults to ``FusionSettings()``, read from the environment now.
+        """
+        if chain is not None and (cloud is not None or local is not None):
+            raise ValueError("pass either a provider chain or cloud/local models, not both")
+        self.settings = settings if settings is not None else FusionSettings()
+        self._fixed_chain = chain
+        self._injected: dict[Leg, BaseChatModel | None] = {"cloud": cloud, "local": local}
+        self._links: dict[tuple[Any, ...], ChainLink] = {}
+        self._chains: dict[tuple[Any, ...], ProviderChain] = {}
+        # The operator settings are fixed, so a run's narrowing alone decides its chain.
+        self._by_context: dict[tuple[str | None, str | None], ProviderChain] = {}
+        self._pools: dict[tuple[str, int, bool], SlotPool] = {}
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self._not_llama: set[str] = set()
+        self._props: dict[str, ServerProps] = {}
+
+    def effective(self, context: FusionContext) -> FusionSettings:
+        """The operator's settings as ``context`` may narrow them (``ContextError`` if it may not)."""
+        return self.settings.narrow(cloud_model=context.cloud_model, workspace_root=context.workspace_root)
+
+    def _link_key(self, leg: Leg, settings: FusionSettings, prices: Prices) -> tuple[Any, ...]:
+        priced = prices.key(leg)
+        if self._injected[leg] is not None:
+            return (leg, "injected", priced)
+        if leg == "cloud":
+            endpoint: tuple[Any, ...] = (
+                settings.cloud_model,
+                settings.cloud_base_url,
+                settings.cloud_api_key_env,
+                settings.cloud_api_key,
+            )
+        else:
+            endpoint = (settings.local_model, settings.local_base_url)
+        return (leg, endpoint, settings.request_timeout, priced)
+
+    async def _link(self, leg: Leg, settings: FusionSettings, prices: Prices) -> ChainLink:
+        key = self._link_key(leg, settings, prices)
+        link = self._links.get(key)
+        if link is None:
+            model = self._injected[leg]
+            if model is None:
+                # Building HTTP clients reads certificate files: keep it off the event loop.
+                build = build_cloud_model if leg == "cloud" else build_local_model
+                model = await asyncio.to_thread(build, settings)
+            provider = Provider(id=f"{leg}:{model_name(model)}", leg=leg, model=model)
+            link = ChainLink.from_provider(provider, prices.pricing(provider))
+            self._links[key] = link
+        return link
+
+    async def chain(self, context: FusionContext) -> ProviderChain:
+        """The chain for a run: ``[cloud, local]`` with the operator's health policy.
+
+        Raises:
+            ContextError: ``context`` asks for a model or workspace the operator did not allow.
+        """
+        if self._closed:
+            raise RuntimeError("the provider resolver is closed: build a new graph to run again")
+        narrowing = (context.cloud_model, context.workspace_root)
+        known = self._by_context.get(narrowing)
+        if known is not None:  # every step of a run asks again: answer from what was resolved
+            return known
+        settings = self.effective(context)
+        if self._fixed_chain is not None:
+            return self._fixed_chain
+        policy = HealthPolicy(
+            allowed_failures=settings.provider_allowed_failures,
+            window_s=settings.provider_failure_window_s,
+            cooldown_s=settings.provider_cooldown_s,
+        )
+        async with self._lock:
+            prices = _prices(settings)
+            links = [await self._link(leg, settings, prices) for leg in ("cloud", "local")]
+            key = (tuple(id(link) for link in links), policy, settings.override_provider)
+            chain = self._chains.get(key)
+            if chain is None:
+                chain = ProviderChain(links, policy=policy)
+                if settings.override_provider is not None:
+                    try:
+                        chain.set_override(settings.override_provider)
+                    except KeyError as error:
+                        raise ValueError(
+                            f"override_provider {settings.override_provider!r} is not a provider of "
+                            f"this graph; known: {[link.id for link in links]}"
+                        ) from error
+                self._chains[key] = chain
+            self._by_context[narrowing] = chain
+        return chain
+
+    async def server_props(self, link: ChainLink) -> ServerProps | None:
+        """What a local llama-server link's server says about itself (``GET /props``), asked once.
+
+        ``None`` for a cloud link, a local server that is not llama-server (logged
+        once; it then runs without slot affinity) and one that cannot be reached
+        now (asked again next time; the call itself will then fail over, or
+        succeed if the server is back).
+        """
+        url = link.as_provider().base_url
+        if link.leg != "local" or url is None or url in self._not_llama:
+            return None
+        known = self._props.get(url)
+        if known is not None:
+            return known
+        try:
+            props = await fetch_props(url, timeout=min(self.settings.request_timeout, 10.0))
+        except NotLlamaServer as error:
+            logger.warning("%s; its slots and window are not known (set FUSION_LOCAL_SLOTS)", error)
+            self._not_llama.add(url)
+            return None
+        except LlamaServerUnavailable as error:
+            logger.warning("no slot or window for this call: %s", error)
+            return None
+        self._props[url] = props
+        return props
+
+    async def window(self, link: ChainLink) -> int | None:
+        """Tokens ``link`` holds per request (prompt + completion); ``None`` when unknown.
+
+        In order: the link's own ``window``; the operator's ``local_window_tokens`` /
+        ``cloud_window_tokens``; llama-server's per-slot context (``GET /props``, asked
+        once per server); ``max_input_tokens`` of the model's langchain-core profile;
+        for the cloud leg ``DEFAULT_CLOUD_WINDOW``. A local server that is none of
+        these has no known window (every step is assumed to fit it).
+        """
+        if link.window is not None:
+            return link.window
+        setting = (
+            self.settings.local_window_tokens if link.leg == "local" else self.settings.cloud_window_tokens
+        )
+        if setting:
+            return setting
+        props = await self.server_props(link)
+        if props is not None and props.slot_window is not None:
+            return props.slot_window
+        profile = link.model.profile or {}
+        limit = profile.get("max_input_tokens")
+        if isinstance(limit, int) and limit > 0:
+            return limit
+        return DEFAULT_CLOUD_WINDOW if link.leg == "cloud" else None
+
+    async def slot_pool(self, link: ChainLink, context: FusionContext) -> SlotPool | None:
+        """The slot pool of a local llama-server link, or ``None`` for anything else.
+
+        The slot count is ``local_slots`` when set, else the server's own
+        ``total_slots`` (``server_props``, asked once per base URL). Without
+        ``local_slots``, a local server that is not llama-server (no ``/props``)
+        runs without slot affinity and one that cannot be reached gets no slot
+        for this call.
+        """
+        settings = self.settings
+        url = link.as_provider().base_url
+        total = settings.local_slots  # the operator's count wins, whatever /props says
+        if link.leg != "local" or url is None or (url in self._not_llama and not total):
+            return None
+        reserve = settings.reserve_reflection_slot
+        if not total:
+            props = await self.server_props(link)
+            if props is None:
+                return None
+            total = props.total_slots
+        key = (url, total, reserve)
+        if key not in self._pools:
+            self._pools[key] = SlotPool(total, reserve_reflection=reserve)
+        return self._pools[key]
+
+    async def aclose(self) -> None:
+        """Close every chain and every link (each exactly once); later runs are refused."""
+        self._closed = True
+        chains = list(self._chains.values()) + ([self._fixed_chain] if self._fixed_chain else [])
+        for chain in chains:
+            await chain.aclose()
+        for link in self._links.values():
+            await link.aclose()
+        self._chains.clear()
+        self._by_context.clear()
+        self._links.clear()

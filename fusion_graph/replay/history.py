@@ -1,0 +1,126 @@
+"""Replay a recorded conversation through the router, exactly as the graph would route it.
+
+Benchmarks, calibration and notebooks call this instead of re-implementing the
+loop: it drives the graph's own ``plan_route``/``continuation_route`` with the
+state the graph would hold before each assistant message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
+from langchain_core.tools import BaseTool
+
+from fusion_graph.context import FusionContext
+from fusion_graph.providers.records import make_record
+from fusion_graph.routing import Leg, RouteDecision, StepSignals
+from fusion_graph.sizing.fit import conversation_budget
+from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
+from fusion_graph.state import RouteRecord, State, StepKind
+from fusion_graph.tools.batch import batch_notice
+from fusion_graph.turn import continuation_route, plan_route, turn_start
+
+
+@dataclass(frozen=True)
+class ReplayedStep:
+    """The route of one assistant message of a recorded conversation."""
+
+    position: int
+    """Index of the assistant message in the input list."""
+    step: int
+    """Index of the step within its turn (0 is the plan)."""
+    decision: RouteDecision
+    signals: StepSignals
+
+    @property
+    def leg(self) -> Leg:
+        """The leg the step was routed to."""
+        return self.decision.leg
+
+
+def split_system(messages: Sequence[BaseMessage]) -> tuple[str, list[BaseMessage]]:
+    """A leading system message becomes the system prompt (the graph keeps it out of state)."""
+    if messages and isinstance(messages[0], SystemMessage):
+        return messages[0].text, list(messages[1:])
+    return "", list(messages)
+
+
+def route_history(
+    messages: Sequence[BaseMessage],
+    context: FusionContext,
+    *,
+    count_tokens: TokenCounter = approximate_tokens,
+    tools: Sequence[BaseTool] = (),
+    local_window: int | None = None,
+) -> list[ReplayedStep]:
+    """Route every assistant message of ``messages`` in order.
+
+    ``tools`` are the schemas the graph would bind (counted in each prompt
+    estimate), ``local_window`` llama-server's per-slot window (the context
+    budget is its usable part unless ``conversation_max_tokens`` is set; unknown:
+    ``conversation_max_tokens`` or 32,768). Replays have no server reports, so
+    every prompt is estimated from the messages.
+
+    A leading system message replaces ``context.system_prompt``. The notice
+    term is recomputed from each batch (trimming, repeated calls), treating
+    every call as valid since tool schemas are not recorded. Steps past
+    ``max_steps`` are still routed (turn depth clipped to 1), where the graph
+    would have ended the turn. The route log the graph would hold (a record per
+    step, no provider) is rebuilt as it goes, so the paced dial counts the same steps.
+    """
+    system, body = split_system(messages)
+    if system:
+        context = dataclasses.replace(context, system_prompt=system)
+    offset = len(messages) - len(body)
+    budget = conversation_budget(context.conversation_max_tokens, local_window, context.max_completion_tokens)
+    routed: list[ReplayedStep] = []
+    leg: Leg | None = None
+    notice = False
+    route_log: list[RouteRecord] = []
+    turn = -1
+    for index, message in enumerate(body):
+        if not isinstance(message, AIMessage):
+            continue
+        history = body[:index]
+        in_turn = history[turn_start(history) + 1 :]
+        step = sum(isinstance(m, AIMessage) for m in in_turn)
+        state: State = {
+            "messages": cast(list[AnyMessage], history),
+            "step": step - 1,
+            "notice": notice,
+            "route_log": route_log,
+        }
+        if step == 0:
+            turn += 1
+            decision, signals = plan_route(state, context, count_tokens, budget=budget, tools=tools)
+        else:
+            if leg is not None:
+                state["leg"] = leg
+            decision, signals = continuation_route(state, context, count_tokens, budget=budget, tools=tools)
+        leg = decision.leg
+        kind: StepKind = "plan" if step == 0 else "step"
+        route_log.append(
+            make_record(
+                turn=turn,
+                step=step,
+                kind=kind,
+                leg=leg,
+                decision=decision,
+                signals=signals,
+                provider=None,
+                answer=None,
+            )
+        )
+        # The batch this answer asks for sets the notice term of the next step.
+        notice = batch_notice(
+            message,
+            earlier_in_turn=in_turn,
+            max_calls=context.max_tool_calls_per_step,
+            loop_repeat_limit=context.loop_repeat_limit,
+        )
+        routed.append(ReplayedStep(index + offset, step, decision, signals))
+    return routed

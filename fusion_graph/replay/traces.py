@@ -1,0 +1,257 @@
+"""Recorded agent trajectories: load them, replay them with the graph's routing, summarise.
+
+A trace file is JSONL, one conversation per line:
+``{"id", "messages": [OpenAI chat messages], "reward"?, ...}``. Every assistant
+message is one step. Replays run ``replay.route_history`` (the graph's own
+routing, no model calls). Token counts are estimates (``signals.approximate_tokens``):
+a step's prompt is what it would send, its completion the recorded assistant
+message; costs price those estimates with no cached tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from langchain_core.messages import BaseMessage, convert_to_messages
+
+from fusion_graph.context import FusionContext
+from fusion_graph.providers.pricing import TokenPrices, default_pricing, unit_prices
+from fusion_graph.replay.history import ReplayedStep, route_history
+from fusion_graph.settings import FusionSettings
+from fusion_graph.sizing.tokens import approximate_tokens
+
+#: Where the shared traces live, relative to the repository root (``../shared/data/traces``).
+SHARED_TRACES = Path("..") / "shared" / "data" / "traces"
+
+
+class TraceError(ValueError):
+    """A trace path is missing or a record is malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class RecordedTrajectory:
+    """One recorded conversation."""
+
+    file: str
+    """Stem of its trace file; trajectories of one file form a family."""
+    line: int
+    id: str
+    reward: float | None
+    """Task outcome when the source records one (tau-bench: 1 success, 0 failure)."""
+    messages: tuple[BaseMessage, ...]
+
+
+def trace_files(paths: Iterable[Path]) -> list[Path]:
+    """Expand directories to their ``*.jsonl`` files (sorted); files are taken as given.
+
+    Raises:
+        TraceError: A path does not exist, or no trace file was found.
+    """
+    paths = list(paths)
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found.extend(sorted(path.glob("*.jsonl")))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise TraceError(
+                f"trace path not found: {path} (the shared traces live in {SHARED_TRACES} "
+                "beside the repository root)"
+            )
+    if not found:
+        raise TraceError(f"no *.jsonl trace files in {', '.join(map(str, paths))}")
+    return found
+
+
+def parse_trajectories(lines: Iterable[str], *, file: str) -> list[RecordedTrajectory]:
+    """Parse JSONL records ``{"id", "messages": [...], "reward"?}``; blank lines are skipped.
+
+    Raises:
+        TraceError: A line is not JSON or has no list of role-tagged messages.
+    """
+    found = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise TraceError(f"{file}:{number}: not JSON ({error})") from error
+        raw = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(raw, list) or not all(isinstance(m, dict) and "role" in m for m in raw):
+            raise TraceError(f"{file}:{number}: expected a 'messages' list of {{'role': ...}} objects")
+        try:
+            messages = convert_to_messages(raw)
+        except (ValueError, TypeError, KeyError) as error:
+            raise TraceError(f"{file}:{number}: unreadable messages ({error})") from error
+        reward = record.get("reward")
+        found.append(
+            RecordedTrajectory(
+                file=file,
+                line=number,
+                id=str(record.get("id") or f"{file}:{number}"),
+                reward=float(reward) if isinstance(reward, int | float) else None,
+                messages=tuple(messages),
+            )
+        )
+    return found
+
+
+def load_trajectories(paths: Iterable[Path]) -> list[RecordedTrajectory]:
+    """Every trajectory of every trace file under ``paths`` (files or directories)."""
+    found = []
+    for path in trace_files(paths):
+        with path.open(encoding="utf-8") as handle:
+            found.extend(parse_trajectories(handle, file=path.stem))
+    return found
+
+
+def families(trajectories: Iterable[RecordedTrajectory]) -> dict[str, list[RecordedTrajectory]]:
+    """Trajectories grouped by trace file, in first-seen order."""
+    grouped: dict[str, list[RecordedTrajectory]] = {}
+    for trajectory in trajectories:
+        grouped.setdefault(trajectory.file, []).append(trajectory)
+    return grouped
+
+
+# -- replay and summary ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPrices:
+    """Per-million prices to price replayed steps: cloud (``None``: unknown) and local."""
+
+    cloud: TokenPrices | None
+    local: TokenPrices
+
+
+def step_prices(settings: FusionSettings, cloud_model: str | None = None) -> StepPrices:
+    """The cloud model's prices (``price_overrides`` or the catalogue) and the local price.
+
+    Args:
+        settings: The operator's settings (prices, cloud endpoint).
+        cloud_model: The run's model; ``None`` is the operator's ``cloud_model``.
+    """
+    model = cloud_model or settings.cloud_model
+    overrides = {
+        key: TokenPrices(input=value[0], output=value[1], cached_input=value[2])
+        for key, value in settings.price_overrides.items()
+    }
+    pricing = default_pricing(
+        provider_id=f"cloud:{model}",
+        leg="cloud",
+        model_ref=model,
+        api_url=settings.cloud_base_url,
+        overrides=overrides,
+        price_like=settings.cloud_price_like,
+    )
+    local_in, local_out = settings.local_price_per_mtok
+    return StepPrices(unit_prices(pricing), TokenPrices(local_in, local_out, local_in))
+
+
+@dataclass(frozen=True)
+class ReplayedTrajectory:
+    """A trajectory routed step by step, with each step's estimated completion tokens."""
+
+    trajectory: RecordedTrajectory
+    steps: tuple[ReplayedStep, ...]
+    completion_tokens: tuple[int, ...]
+
+
+def replay_trajectory(trajectory: RecordedTrajectory, context: FusionContext) -> ReplayedTrajectory:
+    """Route every assistant message of ``trajectory`` under ``context`` (no model calls)."""
+    steps = route_history(trajectory.messages, context)
+    completions = tuple(approximate_tokens([trajectory.messages[s.position]]) for s in steps)
+    return ReplayedTrajectory(trajectory, tuple(steps), completions)
+
+
+def replay_all(
+    trajectories: Sequence[RecordedTrajectory],
+    context: FusionContext,
+    *,
+    advance: Callable[[], None] | None = None,
+) -> list[ReplayedTrajectory]:
+    """``replay_trajectory`` for each, calling ``advance`` after each one (a progress bar)."""
+    replays = []
+    for trajectory in trajectories:
+        replays.append(replay_trajectory(trajectory, context))
+        if advance is not None:
+            advance()
+    return replays
+
+
+def _cost(prices: TokenPrices | None, prompt: int, completion: int) -> float | None:
+    return None if prices is None else prices.cost(prompt, 0, completion)
+
+
+def _fraction(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0
+
+
+def _add(total: float | None, value: float | None) -> float | None:
+    return None if total is None or value is None else total + value
+
+
+def summarize(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> dict[str, Any]:
+    """The ``replay --json`` object: counts, fractions, switches, costs and every step.
+
+    ``switches`` counts leg changes between consecutive steps of a trajectory
+    (plan steps included). Costs price the estimated tokens with no cached
+    input; ``None`` when the cloud model's price is unknown.
+    """
+    steps = cloud_steps = continuation = continuation_cloud = switches = 0
+    cost: float | None = 0.0
+    all_cloud: float | None = 0.0
+    trajectories = []
+    for replay in replays:
+        legs = [s.leg for s in replay.steps]
+        switches += sum(a != b for a, b in pairwise(legs))
+        rows = []
+        for item, completion in zip(replay.steps, replay.completion_tokens, strict=True):
+            decision = item.decision
+            prompt = item.signals.prompt_tokens
+            step_cost = _cost(prices.cloud if item.leg == "cloud" else prices.local, prompt, completion)
+            cost = _add(cost, step_cost)
+            all_cloud = _add(all_cloud, _cost(prices.cloud, prompt, completion))
+            steps += 1
+            cloud_steps += item.leg == "cloud"
+            if item.step > 0:
+                continuation += 1
+                continuation_cloud += item.leg == "cloud"
+            score = decision.score
+            rows.append(
+                {
+                    "position": item.position,
+                    "step": item.step,
+                    "leg": item.leg,
+                    "score": score.score if score is not None else None,
+                    "points": score.points if score is not None else None,
+                    "breakdown": score.breakdown() if score is not None else None,
+                    "threshold": decision.threshold,
+                    "reason": decision.reason,
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "cost_usd": step_cost,
+                }
+            )
+        trajectory = replay.trajectory
+        trajectories.append(
+            {"id": trajectory.id, "file": trajectory.file, "reward": trajectory.reward, "steps": rows}
+        )
+    return {
+        "steps": steps,
+        "cloud_steps": cloud_steps,
+        "cloud_fraction": _fraction(cloud_steps, steps),
+        "continuation_steps": continuation,
+        "continuation_cloud_fraction": _fraction(continuation_cloud, continuation),
+        "switches": switches,
+        "cost_usd": cost,
+        "all_cloud_cost_usd": all_cloud,
+        "trajectories": trajectories,
+    }

@@ -1,0 +1,95 @@
+"""The per-thread run queue of an embedded graph, and no run without a new user message.
+
+The LangGraph server already serialises runs on a thread; an app that embeds
+the compiled graph gets the same here: a second run on a ``thread_id`` waits
+for the first (runs queue, in order) instead of interleaving with it, which
+would fork the thread's history. Input that cannot start a turn is refused
+before anything is written or sent to a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from langchain_core.messages import convert_to_messages
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph.state import CompiledStateGraph
+
+from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.internals import reclass
+from fusion_graph.memory.runs import MemoryRuns
+from fusion_graph.nodes.inference import check_new_turn
+from fusion_graph.state import InputState, State
+
+
+class _Gates:
+    """Per-(event loop, checkpointer, thread) locks, dropped when no run holds or awaits them."""
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[int, int, str], tuple[asyncio.Lock, int]] = {}
+
+    def acquire_key(self, key: tuple[int, int, str]) -> asyncio.Lock:
+        """The lock of ``key``, counting this run as a user until ``release_key``."""
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        return lock
+
+    def release_key(self, key: tuple[int, int, str]) -> None:
+        """One user fewer; the lock is dropped with its last user."""
+        lock, users = self._locks[key]
+        if users <= 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
+
+
+_GATES = _Gates()
+
+
+def check_input(input: Any) -> None:
+    """Refuse graph input that carries no new user message (``None`` and ``Command`` resume)."""
+    if input is None or not isinstance(input, dict):
+        return  # resume (None), Command(resume=...), or a type LangGraph itself rejects
+    raw: Any = input.get("messages")
+    if raw is None:
+        check_new_turn([])
+    check_new_turn(convert_to_messages(raw if isinstance(raw, list) else [raw]))
+
+
+class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
+    """The compiled fusion graph: runs on one thread queue; input without a user message is refused."""
+
+    memory_runs: MemoryRuns
+    """The graph's memory jobs (``fusion_graph.memory.sweep``/``drain(graph=...)`` use them)."""
+
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """``CompiledStateGraph.astream`` (and so ``ainvoke``), one run per thread at a time."""
+        check_input(input)
+        if kwargs.get("context") is not None:
+            kwargs["context"] = ensure_context(kwargs["context"])  # a clear error before anything runs
+        thread = (config or {}).get("configurable", {}).get("thread_id")
+        if thread is None or self.checkpointer is None:
+            async for chunk in super().astream(input, config, **kwargs):
+                yield chunk
+            return
+        key = (id(asyncio.get_running_loop()), id(self.checkpointer), str(thread))
+        lock = _GATES.acquire_key(key)
+        try:
+            async with lock:
+                async for chunk in super().astream(input, config, **kwargs):
+                    yield chunk
+        finally:
+            _GATES.release_key(key)
+
+
+def serialised(
+    compiled: CompiledStateGraph[State, FusionContext, InputState, State], memory_runs: MemoryRuns
+) -> FusionGraph:
+    """The compiled graph as a ``FusionGraph`` (same object, with per-thread queuing and its memory runs)."""
+    graph = reclass(compiled, FusionGraph)
+    graph.memory_runs = memory_runs
+    return graph

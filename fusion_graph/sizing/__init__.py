@@ -1,0 +1,7 @@
+"""Sizing a step, pure over plain data: token counts, anchored estimates, the fit rule, compaction.
+
+- ``tokens``: the default token estimator (character classes) and prompt estimates
+- ``estimate``: a leg's estimate anchored on what its server last reported
+- ``fit``: which links' windows can hold a step, and the conversation budget
+- ``compaction``: make a conversation fit when no window can hold it
+"""
