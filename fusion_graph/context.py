@@ -62,7 +62,7 @@ def _env_default(name: str, default: Any) -> Any:
         return raw  # pydantic's error names the field and the valid values
 
 
-def _f(name: str, default: Any, description: str) -> Any:
+def _field(name: str, default: Any, description: str) -> Any:
     DEFAULTS[name] = default
     return Field(default=_env_default(name, default), description=description, validate_default=True)
 
@@ -71,33 +71,33 @@ def _f(name: str, default: Any, description: str) -> Any:
 class FusionContext:
     """Configuration of one fusion-graph run (LangGraph ``context_schema``)."""
 
-    mode: Annotated[Mode, Field(description="cloud | local | fusion")] = _f(
+    mode: Annotated[Mode, Field(description="cloud | local | fusion")] = _field(
         "mode",
         "fusion",
         "Routing mode: 'cloud' runs every step on the cloud model, 'local' every step on "
         "llama-server, 'fusion' routes each step by its complexity score.",
     )
-    cloud_share: Annotated[int, *between(0, 100)] = _f(
+    cloud_share: Annotated[int, *between(0, 100)] = _field(
         "cloud_share",
         DEFAULT_CLOUD_SHARE,
         "The dial, 0-100. A continuation step goes cloud when its score >= 100 - cloud_share "
         "(with hysteresis). 0 never uses cloud; any value > 0 runs the plan step on cloud.",
     )
-    hysteresis: Annotated[int, *between(0, 50)] = _f(
+    hysteresis: Annotated[int, *between(0, 50)] = _field(
         "hysteresis",
         DEFAULT_HYSTERESIS,
         "Dead band (points) around the threshold so local runs last long enough for "
         "llama-server's prefix KV cache to pay off; narrowed near the ends so neither bar "
         "passes halfway to 0 or 100.",
     )
-    score_quantiles: Annotated[tuple[float, ...] | None, BeforeValidator(_score_table)] = _f(
+    score_quantiles: Annotated[tuple[float, ...] | None, BeforeValidator(_score_table)] = _field(
         "score_quantiles",
         None,
         "Calibrated dial from `fusion-graph calibrate`: 101 non-decreasing score bars (0-100); "
         "entry 100 - cloud_share is the threshold, compared with the step's exact points, so "
         "cloud_share becomes the share of continuation steps on cloud. Empty: T = 100 - cloud_share.",
     )
-    pace_slack: Annotated[float | None, *between(0.5, 100), BeforeValidator(_blank_is_none)] = _f(
+    pace_slack: Annotated[float | None, *between(0.5, 100), BeforeValidator(_blank_is_none)] = _field(
         "pace_slack",
         None,
         "Paced dial: keep each thread's cloud continuation steps within this many steps of "
@@ -105,52 +105,52 @@ class FusionContext:
         "with hysteresis picks inside that slack. 0.5 holds the share to the nearest step; "
         "wider leaves the score more say. Empty: no pacing.",
     )
-    max_steps: Annotated[int, *between(1, 1000)] = _f(
+    max_steps: Annotated[int, *between(1, 1000)] = _field(
         "max_steps", 25, "Inferences allowed per turn (plan, steps and repairs) before it ends."
     )
-    conversation_max_tokens: Annotated[int | None, *between(256, 10_000_000)] = _f(
+    conversation_max_tokens: Annotated[int | None, *between(256, 10_000_000)] = _field(
         "conversation_max_tokens",
         None,
         "Context budget of a conversation; prompt tokens / this is the context-pressure term. "
         "Empty: the local window less the completion budget (pressure 1 = the step no longer fits "
         "llama-server's slot); an explicit value may not exceed that.",
     )
-    max_completion_tokens: Annotated[int, *between(16, 1_000_000)] = _f(
+    max_completion_tokens: Annotated[int, *between(16, 1_000_000)] = _field(
         "max_completion_tokens",
         4096,
         "Completion budget of every inference on either leg (sent as max_tokens; a model's own "
         "lower max_tokens wins). A link reserves it, at most half its window, when checking "
         "that a step fits.",
     )
-    max_tool_output_tokens: Annotated[int, *between(100, 10_000_000)] = _f(
+    max_tool_output_tokens: Annotated[int, *between(100, 10_000_000)] = _field(
         "max_tool_output_tokens",
         8000,
         "Longest tool result kept whole; a longer one keeps its head and tail with a marker "
         "saying how much was cut, and raises the transient notice of the next step.",
     )
-    max_tool_calls_per_step: Annotated[int, *between(1, 128)] = _f(
+    max_tool_calls_per_step: Annotated[int, *between(1, 128)] = _field(
         "max_tool_calls_per_step",
         8,
         "Longest tool batch executed per step; extra calls are not run (a transient notice).",
     )
-    loop_repeat_limit: Annotated[int, *between(2, 100)] = _f(
+    loop_repeat_limit: Annotated[int, *between(2, 100)] = _field(
         "loop_repeat_limit",
         3,
         "The same tool call (name + arguments) this many times in one turn trips the loop "
         "detector (a transient notice plus a corrective message).",
     )
-    max_repair_attempts: Annotated[int, *between(0, 10)] = _f(
+    max_repair_attempts: Annotated[int, *between(0, 10)] = _field(
         "max_repair_attempts",
         2,
         "Retries of a malformed tool call, on the leg that made it, before the turn ends.",
     )
-    sub_runners: Literal["local", "cloud", "off"] = _f(
+    sub_runners: Literal["local", "cloud", "off"] = _field(
         "sub_runners",
         "local",
         "Leg of memory sub-runner jobs: 'local' (default; llama-server's reserved slot, its "
         "prompt restored from the host prompt cache), 'cloud', or 'off'.",
     )
-    memory_mode: Literal["inline", "background"] = _f(
+    memory_mode: Literal["inline", "background"] = _field(
         "memory_mode",
         "background",
         "'background' (default): the memory node logs each run as pending in the store and "
@@ -160,31 +160,31 @@ class FusionContext:
         "jobs run inside the memory node after the reply is written and streamed (checkpointed, "
         "resumable); ainvoke returns after them.",
     )
-    memory_every_k_steps: Annotated[int, *between(0, 1000)] = _f(
+    memory_every_k_steps: Annotated[int, *between(0, 1000)] = _field(
         "memory_every_k_steps",
         0,
         "Also run memory jobs every K steps of a long turn, beside the next step, which never "
         "waits for them in background mode (0: only after the reply).",
     )
-    memory_recall_limit: Annotated[int, *between(0, 50)] = _f(
+    memory_recall_limit: Annotated[int, *between(0, 50)] = _field(
         "memory_recall_limit",
         5,
         "Stored memories given to the plan step of a turn (most relevant, then newest).",
     )
-    memory_max_tokens: Annotated[int, *between(16, 8192)] = _f(
+    memory_max_tokens: Annotated[int, *between(16, 8192)] = _field(
         "memory_max_tokens", 512, "Completion budget of one memory job answer."
     )
-    system_prompt: str = _f(
+    system_prompt: str = _field(
         "system_prompt", prompts.SYSTEM_PROMPT, "System prompt of every step in the turn."
     )
 
-    cloud_model: Annotated[str | None, LLM_PICKER] = _f(
+    cloud_model: Annotated[str | None, LLM_PICKER] = _field(
         "run_cloud_model",
         None,
         "Cloud model for this run, one of the operator's allowed models (FUSION_CLOUD_MODEL and "
         "FUSION_CLOUD_MODELS); empty uses the operator's cloud_model.",
     )
-    workspace_root: str | None = _f(
+    workspace_root: str | None = _field(
         "run_workspace_root",
         None,
         "Directory inside the operator's workspace to confine this run's file tools to; empty "

@@ -17,7 +17,17 @@ from fusion_graph.routing import Leg
 StepKind = Literal["plan", "step", "repair", "memory"]
 
 
-class RouteRecord(TypedDict):
+class DecisionFields(TypedDict):
+    """A routing decision as plain data: the score, its terms, the threshold, the reason, the signals."""
+
+    score: int | None
+    breakdown: dict[str, float] | None
+    threshold: float | None
+    reason: str
+    signals: dict[str, Any]
+
+
+class RouteRecord(DecisionFields):
     """One inference of a turn: where it ran, why, who answered and what it cost.
 
     Token and cost fields come from the answering provider's own report, or
@@ -31,11 +41,6 @@ class RouteRecord(TypedDict):
     """The leg that answered (differs from ``routed_leg`` after a fallover)."""
     routed_leg: Leg
     """The leg the router (or the repair rule) chose."""
-    score: int | None
-    breakdown: dict[str, float] | None
-    threshold: float | None
-    reason: str
-    signals: dict[str, Any]
     provider: str | None
     """Id of the provider that answered; ``cost_usd`` is priced at its prices."""
     attempts: list[dict[str, Any]]
@@ -53,16 +58,11 @@ class RouteRecord(TypedDict):
     extra: dict[str, Any]
 
 
-class RouteChoice(TypedDict):
-    """A routing decision as plain data (checkpointable): what ``route`` hands the executor."""
+class PendingRoute(DecisionFields):
+    """The decision for the step about to run (checkpointable): what ``route`` hands the executor."""
 
     step: int
     leg: Leg
-    score: int | None
-    breakdown: dict[str, float] | None
-    threshold: float | None
-    reason: str
-    signals: dict[str, Any]
     estimates: NotRequired[dict[str, dict[str, Any]]]
     """The prompt estimate per leg the decision used (``estimate.Estimate`` as a dict)."""
 
@@ -136,7 +136,7 @@ class State(InputState):
     """Why the last batch needs repair (``None`` when it was valid)."""
     # NOTE: the routing node decides once and hands the decision to the executor
     # through this field; the executor clears it when its inference is recorded.
-    route: NotRequired[RouteChoice | None]
+    route: NotRequired[PendingRoute | None]
     """The decision for the next continuation step, written by the ``route`` node."""
     stall: NotRequired[Stall | None]
     """Set when every provider failed an inference; resuming the thread retries it."""

@@ -27,7 +27,7 @@ from fusion_graph.sizing.tokens import (
     prompt_estimate,
     system_tokens,
 )
-from fusion_graph.state import RouteChoice, State
+from fusion_graph.state import PendingRoute, State
 
 
 def turn_start(messages: Sequence[BaseMessage]) -> int:
@@ -241,12 +241,12 @@ def plan_route(
     )
 
 
-def choice_of(
+def to_pending(
     step: int,
     decision: RouteDecision,
     signals: StepSignals,
     estimates: Mapping[str, Estimate] | None = None,
-) -> RouteChoice:
+) -> PendingRoute:
     """A decision as plain, checkpointable data, for the executor that acts on it.
 
     ``estimates``: the prompt estimate per leg the decision was measured with.
@@ -260,7 +260,7 @@ def choice_of(
             "transient_notice": score.transient_notice,
             "tail_growth": score.tail_growth,
         }
-    choice = RouteChoice(
+    choice = PendingRoute(
         step=step,
         leg=decision.leg,
         score=score.score if score is not None else None,
@@ -274,8 +274,8 @@ def choice_of(
     return choice
 
 
-def decision_of(choice: RouteChoice) -> tuple[RouteDecision, StepSignals]:
-    """The decision and signals ``choice_of`` wrote (the inverse, for the executor and records)."""
+def from_pending(choice: PendingRoute) -> tuple[RouteDecision, StepSignals]:
+    """The decision and signals ``to_pending`` wrote (the inverse, for the executor and records)."""
     breakdown = choice["breakdown"]
     score = (
         StepScore(score=choice["score"], **breakdown)
@@ -286,7 +286,7 @@ def decision_of(choice: RouteChoice) -> tuple[RouteDecision, StepSignals]:
     return decision, StepSignals(**choice["signals"])
 
 
-def handed_estimates(choice: RouteChoice | None) -> dict[str, Estimate] | None:
+def handed_estimates(choice: PendingRoute | None) -> dict[str, Estimate] | None:
     """The per-leg estimates a ``route`` decision was measured with (``None``: not handed over)."""
     if choice is None or "estimates" not in choice:
         return None

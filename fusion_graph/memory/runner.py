@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
 from fusion_graph.providers.chain import ChainLink, ProviderChain
-from fusion_graph.providers.inference import bound_model
+from fusion_graph.providers.inference import SlotFor, bound_model
 from fusion_graph.providers.records import answered_record, make_record
 from fusion_graph.providers.slots import slot_body
 from fusion_graph.redact import scrub
@@ -32,7 +32,6 @@ PRIMER_PROMPT = "fusion-graph memory slot: park the previous job in the host pro
 
 # -- one job: a warm, structured inference on the reflection slot -------------
 
-SlotFor = Callable[[ChainLink], Awaitable[int | None]]
 
 #: One lock per (event loop, llama-server, slot): priming and the job it primes for stay together.
 _SLOT_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], asyncio.Lock]] = (

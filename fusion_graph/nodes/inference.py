@@ -33,7 +33,7 @@ from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import RouteRecord, State, StepKind, add_totals
-from fusion_graph.turn import continuation_route, decision_of, handed_estimates, plan_route
+from fusion_graph.turn import from_pending, handed_estimates, plan_route
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,31 @@ def only_changes(state: State, update: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class StepOrder:
+    """One inference an executor node is about to run, decided and (but for repairs) measured.
+
+    Attributes:
+        node: The node that runs it (where a resume retries it).
+        kind: ``plan``, ``step`` or ``repair``.
+        step: Step index in the turn.
+        turn: Turn index in the thread.
+        decision: The routing decision (the leg it starts on, and why).
+        signals: The signals it was scored on (``None`` for a repair: never re-scored).
+        prefer_provider: A provider to start with while healthy (a repair's).
+        sizes: Windows and estimates already measured for the decision.
+    """
+
+    node: str
+    kind: StepKind
+    step: int
+    turn: int
+    decision: RouteDecision
+    signals: StepSignals | None
+    prefer_provider: str | None = None
+    sizes: StepSizes | None = None
+
+
 class InferenceNodes:
     """``plan``, ``local``, ``cloud`` and ``repair``, bound to the graph's providers and tools."""
 
@@ -125,18 +150,7 @@ class InferenceNodes:
         )
 
     async def _infer(
-        self,
-        *,
-        node: str,
-        kind: StepKind,
-        step: int,
-        turn: int,
-        decision: RouteDecision,
-        signals: StepSignals | None,
-        state: State,
-        runtime: Runtime[FusionContext],
-        prefer_provider: str | None = None,
-        sizes: StepSizes | None = None,
+        self, order: StepOrder, state: State, runtime: Runtime[FusionContext]
     ) -> tuple[dict[str, Any], bool]:
         """One inference and its batch check; returns the update and whether it was answered.
 
@@ -144,6 +158,7 @@ class InferenceNodes:
         history when none can); if every link that could hold it overflowed
         anyway, the history is compacted further and the inference runs once more.
         """
+        node, kind, step, turn, decision = order.node, order.kind, order.step, order.turn, order.decision
         context = ensure_context(runtime.context)
         chain = await self.resolver.chain(context)
         thread_id = thread_id_of(get_config())
@@ -154,7 +169,7 @@ class InferenceNodes:
 
         anchors = dict(state.get("anchors") or {})
         prepared = await self.sizer.prepare(
-            chain, decision.leg, state.get("messages", []), anchors, context, sizes=sizes
+            chain, decision.leg, state.get("messages", []), anchors, context, sizes=order.sizes
         )
         async with inference_running(thread_id):  # a memory job beside this step starts after it
             for retry in (False, True):
@@ -165,11 +180,11 @@ class InferenceNodes:
                     step=step,
                     turn=turn,
                     decision=prepared.decided(decision),
-                    signals=signals,
+                    signals=order.signals,
                     messages=prepared.messages,
                     tools=self.tools,
                     context=context,
-                    prefer_provider=prefer_provider,
+                    prefer_provider=order.prefer_provider,
                 )
                 bounds = self.sizer.bounds(chain, prepared, context)
                 answer, record, exhausted = await infer(
@@ -233,17 +248,8 @@ class InferenceNodes:
             tools=self.tools,
         )
         turn = state.get("turn", -1) + 1
-        update, answered = await self._infer(
-            node="plan",
-            kind="plan",
-            step=0,
-            turn=turn,
-            decision=decision,
-            signals=signals,
-            state=state,
-            runtime=runtime,
-            sizes=sizes,
-        )
+        order = StepOrder("plan", "plan", step=0, turn=turn, decision=decision, signals=signals, sizes=sizes)
+        update, answered = await self._infer(order, state, runtime)
         if not answered:
             return update
         if recalled is not None:
@@ -258,31 +264,14 @@ class InferenceNodes:
 
     async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         context = ensure_context(runtime.context)
-        choice = state.get("route")
-        if choice is not None and choice["leg"] == leg:
-            decision, signals = decision_of(choice)
-            sizes = await self.measure(state, context, handed_estimates(choice))
-        else:  # a checkpoint written before decisions were handed over: decide here
-            sizes = await self.measure(state, context)
-            decision, signals = continuation_route(
-                state,
-                context,
-                self.count_tokens,
-                prompt_tokens=sizes.score_tokens,
-                budget=sizes.budget,
-                tools=self.tools,
-            )
-        update, _ = await self._infer(
-            node=leg,
-            kind="step",
-            step=state.get("step", 0) + 1,
-            turn=state.get("turn", 0),
-            decision=decision,
-            signals=signals,
-            state=state,
-            runtime=runtime,
-            sizes=sizes,
-        )
+        pending = state.get("route")
+        if pending is None or pending["leg"] != leg:
+            raise RuntimeError(f"the {leg} step runs only on a decision that route handed over for it")
+        decision, signals = from_pending(pending)
+        sizes = await self.measure(state, context, handed_estimates(pending))
+        step, turn = state.get("step", 0) + 1, state.get("turn", 0)
+        order = StepOrder(leg, "step", step=step, turn=turn, decision=decision, signals=signals, sizes=sizes)
+        update, _ = await self._infer(order, state, runtime)
         return update
 
     async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
@@ -309,17 +298,16 @@ class InferenceNodes:
             reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
             f"kept on the {leg} leg that made it",
         )
-        update, answered = await self._infer(
-            node="repair",
-            kind="repair",
+        order = StepOrder(
+            "repair",
+            "repair",
             step=state.get("step", 0) + 1,
             turn=state.get("turn", 0),
             decision=decision,
             signals=None,
-            state=state,
-            runtime=runtime,
             prefer_provider=state.get("provider"),
         )
+        update, answered = await self._infer(order, state, runtime)
         if answered and update.get("repair_error", state.get("repair_error")) is not None:
             update["repair_attempts"] = attempt
         return update

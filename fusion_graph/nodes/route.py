@@ -24,7 +24,7 @@ from fusion_graph.nodes.dispatch import sends
 from fusion_graph.providers.sizes import Sizer
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import State
-from fusion_graph.turn import choice_of, continuation_route, last_batch, next_step, pending_calls
+from fusion_graph.turn import continuation_route, last_batch, next_step, pending_calls, to_pending
 
 #: Every node ``route`` can send the turn to.
 Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
@@ -79,7 +79,7 @@ class RouteNode:
             budget=sizes.budget,
             tools=list(self.tools.values()),
         )
-        update = {"route": choice_of(step, decision, signals, sizes.estimates)}
+        update = {"route": to_pending(step, decision, signals, sizes.estimates)}
         every = context.memory_every_k_steps
         if every and step % every == 0 and self.memory_on(runtime):
             return Command(update=update, goto=[decision.leg, "memory"])  # beside the next step

@@ -43,7 +43,7 @@ from fusion_graph.state import RouteRecord, StepKind
 ROUTE_EVENT = "fusion_route"
 
 #: Finds the llama-server slot of this conversation on a link (``None``: not a llama-server).
-SlotFinder = Callable[[ChainLink], Awaitable[int | None]]
+SlotFor = Callable[[ChainLink], Awaitable[int | None]]
 
 
 def _call_config(kind: StepKind, decision: RouteDecision, step: int, link: ChainLink) -> RunnableConfig:
@@ -189,7 +189,7 @@ async def infer(
     call: Inference,
     *,
     chain: ProviderChain,
-    find_slot: SlotFinder,
+    find_slot: SlotFor,
     runtime: Runtime[FusionContext],
     bounds: Bounds | None = None,
     extra: dict[str, Any] | None = None,
