@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fusion_graph.replay.traces import TraceError, trace_files
+from fusion_graph.replay.traces import TraceError, parse_records, trace_files
 
 __all__ = ["TraceError", "Trajectory", "explained", "load_traces", "trace_files"]
 
@@ -50,29 +49,15 @@ def is_swe_file(name: str) -> bool:
 
 
 def parse_trace_lines(lines: Iterable[str], *, file: str) -> list[Trajectory]:
-    """Parse JSONL trace records ``{"id", "messages": [OpenAI chat messages], ...}``.
-
-    Blank lines are skipped.
+    """Parse JSONL trace records (``fusion_graph.replay.traces.parse_records``); blank lines are skipped.
 
     Raises:
         TraceError: A line is not JSON, or lacks a ``messages`` list of role-tagged dicts.
     """
-    trajectories = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise TraceError(f"{file}:{number}: not JSON ({error})") from error
-        messages = record.get("messages") if isinstance(record, dict) else None
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-        ):
-            raise TraceError(f"{file}:{number}: expected a 'messages' list of {{'role': ...}} objects")
-        trace_id = str(record.get("id") or f"line{number}")
-        trajectories.append(Trajectory(file, number, trace_id, tuple(messages)))
-    return trajectories
+    return [
+        Trajectory(file, record.line, record.id or f"line{record.line}", record.messages)
+        for record in parse_records(lines, file=file)
+    ]
 
 
 def load_traces(paths: Sequence[Path]) -> list[Trajectory]:

@@ -69,7 +69,19 @@ def trace_files(paths: Iterable[Path]) -> list[Path]:
     return found
 
 
-def parse_trajectories(lines: Iterable[str], *, file: str) -> list[RecordedTrajectory]:
+@dataclass(frozen=True)
+class TraceRecord:
+    """One JSONL trace record as stored: OpenAI chat messages, unconverted."""
+
+    file: str
+    line: int
+    id: str | None
+    """The record's own ``id`` (``None`` when it has none)."""
+    reward: float | None
+    messages: tuple[dict[str, Any], ...]
+
+
+def parse_records(lines: Iterable[str], *, file: str) -> list[TraceRecord]:
     """Parse JSONL records ``{"id", "messages": [...], "reward"?}``; blank lines are skipped.
 
     Raises:
@@ -84,19 +96,41 @@ def parse_trajectories(lines: Iterable[str], *, file: str) -> list[RecordedTraje
         except json.JSONDecodeError as error:
             raise TraceError(f"{file}:{number}: not JSON ({error})") from error
         raw = record.get("messages") if isinstance(record, dict) else None
-        if not isinstance(raw, list) or not all(isinstance(m, dict) and "role" in m for m in raw):
+        if not isinstance(raw, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in raw
+        ):
             raise TraceError(f"{file}:{number}: expected a 'messages' list of {{'role': ...}} objects")
-        try:
-            messages = convert_to_messages(raw)
-        except (ValueError, TypeError, KeyError) as error:
-            raise TraceError(f"{file}:{number}: unreadable messages ({error})") from error
         reward = record.get("reward")
+        found.append(
+            TraceRecord(
+                file=file,
+                line=number,
+                id=str(record["id"]) if record.get("id") else None,
+                reward=float(reward) if isinstance(reward, int | float) else None,
+                messages=tuple(raw),
+            )
+        )
+    return found
+
+
+def parse_trajectories(lines: Iterable[str], *, file: str) -> list[RecordedTrajectory]:
+    """Parse JSONL trace records (``parse_records``) into conversations of LangChain messages.
+
+    Raises:
+        TraceError: A line is not a trace record, or its messages cannot be read.
+    """
+    found = []
+    for record in parse_records(lines, file=file):
+        try:
+            messages = convert_to_messages(list(record.messages))
+        except (ValueError, TypeError, KeyError) as error:
+            raise TraceError(f"{file}:{record.line}: unreadable messages ({error})") from error
         found.append(
             RecordedTrajectory(
                 file=file,
-                line=number,
-                id=str(record.get("id") or f"{file}:{number}"),
-                reward=float(reward) if isinstance(reward, int | float) else None,
+                line=record.line,
+                id=record.id or f"{file}:{record.line}",
+                reward=record.reward,
                 messages=tuple(messages),
             )
         )

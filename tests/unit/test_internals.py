@@ -1,0 +1,80 @@
+"""Pins the LangGraph internals ``fusion_graph.internals`` relies on, against the installed langgraph."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import pytest
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.config import get_config
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.state import CompiledStateGraph
+from typing_extensions import TypedDict
+
+from fusion_graph import build_graph, internals
+from fusion_graph.run_queue import FusionGraph
+
+
+class _State(TypedDict):
+    seen: Annotated[list[bool], operator.add]
+
+
+def test_the_resuming_key_is_langgraphs_own() -> None:
+    from langgraph._internal import _constants
+
+    assert internals.RESUMING_KEY == _constants.CONFIG_KEY_RESUMING
+
+
+async def test_is_resuming_tells_a_fresh_run_from_a_resume() -> None:
+    calls: list[bool] = []
+
+    async def flaky(state: _State) -> dict[str, Any]:
+        calls.append(internals.is_resuming(get_config()))
+        if len(calls) == 1:
+            raise RuntimeError("first run fails")
+        return {"seen": [calls[-1]]}
+
+    builder = StateGraph(_State)
+    builder.add_node("flaky", flaky)
+    builder.add_edge(START, "flaky")
+    builder.add_edge("flaky", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+    config: Any = {"configurable": {"thread_id": "t"}}
+    with pytest.raises(RuntimeError, match="first run fails"):
+        await graph.ainvoke({"seen": []}, config)
+    out = await graph.ainvoke(None, config)
+    assert calls == [False, True]
+    assert out["seen"] == [True]
+
+
+def test_compile_builds_exactly_a_compiled_state_graph() -> None:
+    builder = StateGraph(_State)
+    builder.add_node("n", lambda state: {"seen": [True]})
+    builder.add_edge(START, "n")
+    assert type(builder.compile()) is CompiledStateGraph
+
+
+async def test_a_reclassed_graph_runs_ainvoke_through_its_own_astream() -> None:
+    streamed: list[Any] = []
+
+    class Counting(CompiledStateGraph[Any, Any, Any, Any]):
+        async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
+            streamed.append(input)
+            async for chunk in super().astream(input, config, **kwargs):
+                yield chunk
+
+    builder = StateGraph(_State)
+    builder.add_node("n", lambda state: {"seen": [True]})
+    builder.add_edge(START, "n")
+    graph = internals.reclass(builder.compile(), Counting)
+    out = await graph.ainvoke({"seen": []})
+    assert out == {"seen": [True]} and len(streamed) == 1
+
+
+def test_reclass_refuses_anything_but_a_compiled_state_graph() -> None:
+    graph = build_graph(cloud_model=None, local_model=None)
+    with pytest.raises(TypeError, match="expected a CompiledStateGraph"):
+        internals.reclass(graph, FusionGraph)  # already re-classed
+    assert isinstance(graph, FusionGraph) and graph.memory_runs is not None
