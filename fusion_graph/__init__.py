@@ -14,7 +14,7 @@ from fusion_graph.context import FusionContext
 from fusion_graph.graph import build_graph, graph
 from fusion_graph.memory import MemoryJob, drain, sweep
 from fusion_graph.nodes import InvalidInput
-from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain
+from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
 from fusion_graph.providers.llama_server import ChatLlamaServer, LlamaServerUnavailable
 from fusion_graph.providers.models import ProviderConfigError
 from fusion_graph.replay import route_history
@@ -41,6 +41,7 @@ __all__ = [
     "MemoryJob",
     "ProviderChain",
     "ProviderConfigError",
+    "ProviderRequestError",
     "RouteDecision",
     "RouteRecord",
     "__version__",

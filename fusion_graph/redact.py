@@ -40,6 +40,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 REDACTED = "[REDACTED]"
 #: Registered or passed values shorter than this are ignored: they would match ordinary text.
@@ -129,6 +130,29 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     for pattern, replacement in _RULES:
         text = pattern.sub(replacement, text)
     return _TOKEN.sub(lambda m: REDACTED if _looks_random(m.group()) else m.group(), text)
+
+
+def scrub_known(text: str) -> str:
+    """``text`` with only the registered secret values replaced (for content: tool results, answers).
+
+    Unlike ``scrub`` it leaves key-shaped text alone: a tool result or an answer
+    may rightly hold hashes, UUIDs or ``key=value`` lines; the operator's keys never.
+    """
+    for secret in sorted(registered_secrets(), key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def scrub_content(content: Any) -> Any:
+    """A message's ``content`` (text or blocks) with the registered secret values replaced."""
+    if isinstance(content, str):
+        return scrub_known(content)
+    if isinstance(content, list):
+        return [scrub_content(block) for block in content]
+    if isinstance(content, dict):
+        return {key: scrub_content(value) for key, value in content.items()}
+    return content
 
 
 class RedactingFilter(logging.Filter):

@@ -15,12 +15,13 @@ from typing import Any
 
 from langchain_core.messages import convert_to_messages
 from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph.state import CompiledStateGraph
 
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
-from fusion_graph.nodes.inference import check_new_turn
+from fusion_graph.nodes.inference import InvalidInput, check_new_turn
 from fusion_graph.state import InputState, State
 
 
@@ -48,14 +49,24 @@ class _Gates:
 _GATES = _Gates()
 
 
-def check_input(input: Any) -> None:
-    """Refuse graph input that carries no new user message (``None`` and ``Command`` resume)."""
+def check_input(input: Any, max_chars: int | None = None) -> None:
+    """Refuse graph input that carries no new user message, or more than ``max_chars`` of text.
+
+    ``None`` and ``Command`` resume a thread and pass.
+    """
     if input is None or not isinstance(input, dict):
         return  # resume (None), Command(resume=...), or a type LangGraph itself rejects
     raw: Any = input.get("messages")
     if raw is None:
         check_new_turn([])
-    check_new_turn(convert_to_messages(raw if isinstance(raw, list) else [raw]))
+    messages = convert_to_messages(raw if isinstance(raw, list) else [raw])
+    check_new_turn(messages)
+    size = sum(len(str(m.content)) for m in messages)
+    if max_chars is not None and size > max_chars:
+        raise InvalidInput(
+            f"the input is {size:,} characters; this deployment takes at most {max_chars:,} "
+            "(the operator sets FUSION_MAX_INPUT_CHARS)"
+        )
 
 
 class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
@@ -64,14 +75,30 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
     memory_runs: MemoryRuns
     """The graph's memory jobs (``fusion_graph.memory.sweep``/``drain(graph=...)`` use them)."""
 
+    async def _check_resumable(self, config: RunnableConfig | None, thread: Any) -> None:
+        """Refuse ``None`` input (a resume) where there is nothing to resume."""
+        saver = self.checkpointer
+        found = (
+            await saver.aget_tuple(config or {})
+            if isinstance(saver, BaseCheckpointSaver) and thread is not None
+            else None
+        )
+        if found is None:
+            where = f"thread {thread!r} has no checkpoint" if thread is not None else "no thread_id was given"
+            raise InvalidInput(
+                f"nothing to resume: {where}; start a turn with {{'messages': [('user', '...')]}}"
+            )
+
     async def astream(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
         """``CompiledStateGraph.astream`` (and so ``ainvoke``), one run per thread at a time."""
-        check_input(input)
+        check_input(input, self.memory_runs.resolver.settings.max_input_chars)
         if kwargs.get("context") is not None:
             kwargs["context"] = ensure_context(kwargs["context"])  # a clear error before anything runs
         thread = (config or {}).get("configurable", {}).get("thread_id")
+        if input is None:
+            await self._check_resumable(config, thread)
         if thread is None or self.checkpointer is None:
             async for chunk in super().astream(input, config, **kwargs):
                 yield chunk

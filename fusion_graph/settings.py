@@ -11,11 +11,13 @@ directory inside this one; see ``narrow``). Read once at graph build from
 
 from __future__ import annotations
 
+import difflib
 import os
-from pathlib import Path
+import posixpath
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, SecretStr
+from pydantic import AfterValidator, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fusion_graph.ranges import between, price, seconds
@@ -29,6 +31,24 @@ class ContextError(ValueError):
     """A run's context asks for something the operator did not allow; the message names the field."""
 
 
+#: Secret files the built-in tools refuse by default: dotenv files, private keys, git internals.
+DEFAULT_SECRET_FILES: tuple[str, ...] = (
+    ".env",
+    ".env.*",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "*.pfx",
+    "id_rsa",
+    "id_dsa",
+    "id_ecdsa",
+    "id_ed25519",
+    ".netrc",
+    ".pgpass",
+    ".git/",
+)
+
+
 class FusionSettings(BaseSettings):
     """What the operator configures once per deployment (``FUSION_<NAME>`` variables)."""
 
@@ -39,7 +59,7 @@ class FusionSettings(BaseSettings):
     cloud_model: Annotated[str, Field(min_length=1)] = Field(
         "gpt-4o-mini", description="Cloud chat model name (OpenAI or OpenAI-compatible)."
     )
-    cloud_models: tuple[str, ...] = Field(
+    cloud_models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
         (), description="Further cloud models a run's context may pick instead of cloud_model (allow-list)."
     )
     cloud_base_url: str | None = Field(
@@ -122,6 +142,42 @@ class FusionSettings(BaseSettings):
         description="Directory the built-in file tools are confined to (a run may narrow it to a "
         "directory inside); paths outside it are refused.",
     )
+    secret_files: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
+        DEFAULT_SECRET_FILES,
+        description="Name patterns (fnmatch, per path component; a trailing '/' names a directory) "
+        "the built-in file tools refuse to read or edit. Set a longer list to extend it, [] to clear it.",
+    )
+    max_system_prompt_chars: Annotated[int, *between(1, 10_000_000)] = Field(
+        100_000, description="Longest system_prompt a run's context may set (characters)."
+    )
+    max_input_chars: Annotated[int, *between(1, 100_000_000)] = Field(
+        1_000_000, description="Longest new input a run may send (characters over its new messages)."
+    )
+
+    def __init__(self, **values: Any) -> None:
+        """Read the settings; a keyword that names no setting is refused (a typo is never dropped)."""
+        unknown = sorted(k for k in values if not k.startswith("_") and k not in type(self).model_fields)
+        if unknown:
+            hints = [difflib.get_close_matches(k, type(self).model_fields, n=1) for k in unknown]
+            named = ", ".join(
+                f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                for k, h in zip(unknown, hints, strict=True)
+            )
+            raise ContextError(f"unknown operator setting {named}; see FusionSettings for the valid names")
+        super().__init__(**values)
+
+    @field_validator("cloud_base_url", "local_base_url")
+    @classmethod
+    def _http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Only ``http(s)://host...`` URLs: anything else would fail at the first call, or worse."""
+        if value is None or value == "":
+            return None if info.field_name == "cloud_base_url" else value
+        parsed = urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(
+                f"{info.field_name} must be an http:// or https:// URL with a host, got {value!r}"
+            )
+        return value
 
     def api_key(self) -> SecretStr | None:
         """The cloud key: ``cloud_api_key``, else the variable named by ``cloud_api_key_env``."""
@@ -151,20 +207,50 @@ class FusionSettings(BaseSettings):
                 )
             update["cloud_model"] = cloud_model
         if workspace_root is not None:
-            update["workspace_root"] = str(inside_workspace(self.workspace_root, workspace_root))
+            sub = workspace_subpath(self.workspace_root, workspace_root)
+            update["workspace_root"] = posixpath.join(self.workspace_root, *sub)
         return self.model_copy(update=update) if update else self
 
 
-def inside_workspace(operator_root: str, requested: str) -> Path:
-    """``requested`` (absolute, or relative to the operator's root) if it lies inside that root."""
-    base = Path(operator_root).resolve()
-    target = (base / requested).resolve()
-    if target != base and not target.is_relative_to(base):
-        raise ContextError(
-            f"workspace_root {requested!r} lies outside the operator's workspace; a run may only "
-            "narrow it to a directory inside (the operator sets FUSION_WORKSPACE_ROOT)"
-        )
-    return target
+def workspace_subpath(operator_root: str, requested: str) -> tuple[str, ...]:
+    """The directories from the operator's root down to a run's ``workspace_root``, lexically.
+
+    ``requested`` is relative to the operator's root, or absolute under it. No
+    filesystem call is made (this runs on the event loop); the tools walk the
+    result from the operator's root without following symlinks, so a symlinked
+    or swapped run root is refused when it is opened, not trusted here.
+
+    Raises:
+        ContextError: ``requested`` lies outside the operator's root.
+    """
+    outside = ContextError(
+        f"workspace_root {requested!r} lies outside the operator's workspace; a run may only "
+        "narrow it to a directory inside (the operator sets FUSION_WORKSPACE_ROOT)"
+    )
+    if "\0" in requested:
+        raise ContextError(f"workspace_root {requested!r} contains a NUL character")
+    if requested.startswith("/"):
+        base = posixpath.normpath(operator_root)
+        if not base.startswith("/"):
+            raise ContextError(
+                f"{outside} (the operator's workspace {operator_root!r} is relative: give the "
+                "run's workspace_root relative to it)"
+            )
+        target = posixpath.normpath(requested)
+        if target != base and not target.startswith(base.rstrip("/") + "/"):
+            raise outside
+        requested = posixpath.relpath(target, base)
+    parts: list[str] = []
+    for name in requested.split("/"):
+        if name in ("", "."):
+            continue
+        if name != "..":
+            parts.append(name)
+        elif parts:
+            parts.pop()
+        else:
+            raise outside
+    return tuple(parts)
 
 
 #: Names of the operator settings (refused in a run's context).

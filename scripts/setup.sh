@@ -9,7 +9,7 @@ need_apt=()
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
-# PostgreSQL server binaries for tests/test_postgres.py (Debian keeps initdb off PATH).
+# PostgreSQL server binaries for tests/integration/test_postgres.py (Debian keeps initdb off PATH).
 want_apt=()
 compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/dev/null 2>&1 \
   || want_apt+=(postgresql)
@@ -21,7 +21,7 @@ if ((${#need_apt[@]} + ${#want_apt[@]})); then
     echo "missing build tools: ${need_apt[*]} (install them with your package manager)" >&2
     exit 1
   else
-    echo "PostgreSQL server not found: tests/test_postgres.py will skip (install 'postgresql')" >&2
+    echo "PostgreSQL server not found: tests/integration/test_postgres.py will skip (install 'postgresql')" >&2
   fi
 fi
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: unit tests never reach the network and never see FUSION_* settings."""
+"""Shared fixtures for every test (unit and integration): loopback-only network, no FUSION_* settings."""
 
 from __future__ import annotations
 
@@ -9,8 +9,17 @@ from typing import Any
 
 import pytest
 
-# Real llama-server fixtures (llama_server_bin, tiny_model, llama_server).
-pytest_plugins = ["tests.llama_fixtures"]
+# Shared helpers and fixtures (tests/plugins/), registered for every test: fixtures need no import,
+# helpers are imported from their module (``from tests.plugins.fakes import scripted``).
+# A plugin comes after the plugins it imports, so pytest registers (and assert-rewrites) each first.
+pytest_plugins = [
+    "tests.plugins.requires",  # skip locally / fail under CI=true when a service is missing
+    "tests.plugins.errors",  # real SDK/httpx exception instances
+    "tests.plugins.fakes",  # scripted chat models and graph inputs
+    "tests.plugins.scripted_llama",  # a real llama-server call with scripted tool calls
+    "tests.plugins.llama",  # real llama-server: llama_server_bin, tiny_model, llama_server, own_llama_server
+    "tests.plugins.postgres",  # real PostgreSQL: postgres_url, postgres_db
+]
 
 
 class NetworkBlockedError(RuntimeError):

@@ -5,7 +5,9 @@ Progress and diagnostics go to stderr, so ``--json`` output on stdout stays clea
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.redact import scrub
 from fusion_graph.replay.traces import (
     RecordedTrajectory,
     StepPrices,
@@ -42,6 +45,28 @@ def fail(message: str) -> typer.Exit:
     """Print ``message`` as an error on stderr; the caller raises the returned ``Exit(2)``."""
     stderr_console().print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(2)
+
+
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [OSError, sqlite3.Error]
+    with contextlib.suppress(ImportError):
+        import psycopg
+
+        errors.append(psycopg.Error)
+    return tuple(errors)
+
+
+@contextlib.contextmanager
+def storage(where: str) -> Iterator[None]:
+    """Turn a checkpoint store that cannot be opened or read into one line on stderr and exit 2."""
+    try:
+        yield
+    except _storage_errors() as error:
+        detail = scrub(f"{type(error).__name__}: {error}".splitlines()[0])
+        raise fail(
+            f"{where} cannot be used ({detail}); give a writable SQLite file with --db, or a "
+            "postgresql://user:password@host:port/db URL with --postgres"
+        ) from None
 
 
 def context_dict(raw: str | None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import typer
 from langgraph.checkpoint.sqlite import SqliteSaver
 from rich.table import Table
 
-from fusion_graph.cli.common import build_context, build_settings, fail, run_prices, stdout_console
+from fusion_graph.cli.common import build_context, build_settings, fail, run_prices, stdout_console, storage
 from fusion_graph.cli.run import DEFAULT_DB
 from fusion_graph.providers.pricing import TokenPrices, answering_leg, chain_totals
 from fusion_graph.state import RouteRecord
@@ -113,7 +113,11 @@ def report(
     inferences keep their recorded cost.
     """
     prices = run_prices(build_context(context), build_settings()).cloud
-    threads = {tid: thread_summary(log, prices) for tid, log in stored_route_logs(db, thread).items()}
+    if not db.is_file():
+        raise fail(f"--db {db} does not exist; `fusion-graph run` writes it (or pass the file it wrote)")
+    with storage(f"--db {db}"):
+        logs = stored_route_logs(db, thread)
+    threads = {tid: thread_summary(log, prices) for tid, log in logs.items()}
     if as_json:
         typer.echo(json.dumps({"db": str(db), "threads": threads}, indent=2))
         return

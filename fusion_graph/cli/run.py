@@ -26,8 +26,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from fusion_graph.cli.common import build_context, build_settings, fail, stdout_console
+from fusion_graph.cli.common import build_context, build_settings, fail, stdout_console, storage
 from fusion_graph.context import FusionContext
+from fusion_graph.nodes.inference import InvalidInput
+from fusion_graph.providers.chain import ChainExhausted, ProviderRequestError
 from fusion_graph.providers.llama_server import (
     START_HINT,
     LlamaServerUnavailable,
@@ -36,6 +38,7 @@ from fusion_graph.providers.llama_server import (
 )
 from fusion_graph.providers.models import ProviderConfigError
 from fusion_graph.providers.pricing import chain_totals
+from fusion_graph.redact import scrub
 from fusion_graph.settings import ContextError, FusionSettings
 from fusion_graph.state import InputState, RouteRecord, State
 
@@ -243,6 +246,8 @@ async def run_turn(
 async def open_saver(db: Path, postgres: str | None) -> AsyncIterator[BaseCheckpointSaver[str]]:
     """The thread checkpointer: SQLite at ``db`` by default, Postgres with ``--postgres``."""
     if postgres:
+        if not postgres.startswith(("postgres://", "postgresql://")):
+            raise fail(f"--postgres {scrub(postgres)!r} is not a postgresql://user:password@host:port/db URL")
         try:
             from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
         except ImportError as error:
@@ -278,7 +283,6 @@ class RunRequest:
 
 
 async def _run(request: RunRequest, console: Console) -> None:
-    from fusion_graph.graph import build_graph
 
     context, settings, db, postgres, thread = (
         request.context,
@@ -288,7 +292,17 @@ async def _run(request: RunRequest, console: Console) -> None:
         request.thread,
     )
     models = await MODELS(context, settings)
-    async with open_saver(db, postgres) as saver:
+    with storage("--postgres" if postgres else f"--db {db}"):
+        await _turn(request, models, console)
+    where = "Postgres" if postgres else str(db)
+    console.print(f"thread [bold]{thread}[/] saved in {where}; continue it with --thread {thread}")
+
+
+async def _turn(request: RunRequest, models: Any, console: Console) -> None:
+    from fusion_graph.graph import build_graph
+
+    context, settings, thread = request.context, request.settings, request.thread
+    async with open_saver(request.db, request.postgres) as saver:
         if models is None:
             graph = build_graph(checkpointer=saver, settings=settings)
         else:
@@ -298,10 +312,10 @@ async def _run(request: RunRequest, console: Console) -> None:
         config: RunnableConfig = {"configurable": {"thread_id": thread}}
         try:
             await run_turn(graph, request.task, config=config, context=context, console=console)
-        except (ProviderConfigError, ContextError, LlamaServerUnavailable) as error:
-            raise fail(str(error)) from error
-    where = "Postgres" if postgres else str(db)
-    console.print(f"thread [bold]{thread}[/] saved in {where}; continue it with --thread {thread}")
+        except (ProviderConfigError, ContextError, LlamaServerUnavailable, InvalidInput) as error:
+            raise fail(str(error)) from None
+        except (ChainExhausted, ProviderRequestError) as error:
+            raise fail(f"{error}\n(the thread is saved: continue it with --thread {thread})") from None
 
 
 def run(

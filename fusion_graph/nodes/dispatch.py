@@ -11,6 +11,7 @@ in batch order, one wave per superstep.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,14 +97,17 @@ def check_batch(
 
 
 def touched_file(call: ToolCall) -> str | None:
-    """The file a call names (see ``PATH_ARGUMENTS``), normalised, or ``None``."""
+    """The file a call names (see ``PATH_ARGUMENTS``), normalised lexically, or ``None``.
+
+    ``a``, ``./a``, ``.//a`` and ``sub/../a`` are one file, so calls naming it run in order.
+    """
     args: Any = call.get("args")
     if not isinstance(args, dict):
         return None
     for key in PATH_ARGUMENTS:
         value = args.get(key)
         if isinstance(value, str) and value.strip():
-            return value.strip().replace("\\", "/").removeprefix("./")
+            return posixpath.normpath(value.strip().replace("\\", "/"))
     return None
 
 

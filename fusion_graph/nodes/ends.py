@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.messages import AIMessage
 from langgraph.config import get_config
@@ -45,7 +45,7 @@ async def unavailable(state: State, runtime: Runtime[FusionContext]) -> Command[
     if stall is None:
         raise RuntimeError("unavailable runs only after an inference no provider answered")
     if is_resuming(get_config()):
-        return Command(update={"stall": None}, goto=stall["node"])
+        return Command(update={"stall": None}, goto=cast(RetryDestination, stall["node"]))
     log = state.get("route_log", [])
     attempts = [Attempt(**a) for a in log[-1]["attempts"]] if log else []
     raise ChainExhausted(stall["message"], attempts, stall["retry_in_s"])

@@ -57,7 +57,7 @@ class RouteNode:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
         pending = pending_calls(state["messages"])
         if pending:
-            goto: list[Send | str] = list(sends(pending))
+            goto: list[Send | Destination] = list(sends(pending))
             return Command(goto=goto)
         if returned_directly(state, self.tools):
             return Command(goto="memory" if self.memory_on(runtime) else "__end__")

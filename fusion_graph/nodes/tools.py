@@ -18,9 +18,8 @@ from contextvars import ContextVar
 from typing import Any, Literal, Union, cast
 
 from langchain_core.messages import AnyMessage, ToolMessage
-from langchain_core.messages.tool import ToolCall
-from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
+from langgraph.config import get_config
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.runtime import Runtime
 from langgraph.types import Command
@@ -28,6 +27,7 @@ from langgraph.types import Command
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import make_tool_node, next_wave
 from fusion_graph.nodes.route import RouteNode
+from fusion_graph.redact import scrub_content
 from fusion_graph.state import State
 from fusion_graph.tools.output_cap import cap_output
 from fusion_graph.turn import pending_calls
@@ -48,35 +48,43 @@ class ToolStep:
         self.route = route
 
     async def _wrap(
-        self, request: ToolCallRequest, execute: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command]]
-    ) -> ToolMessage | Command:
-        """``ToolNode``'s hook around each call: keep the state it read, cap the output."""
+        self,
+        request: ToolCallRequest,
+        execute: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
+    ) -> ToolMessage | Command[Any]:
+        """``ToolNode``'s hook around each call: keep the state it read, scrub keys, cap the output."""
         seen = _SEEN_STATE.get()
         if seen is not None:
             seen.append(request.state)
         output = await execute(request)
+        if isinstance(output, ToolMessage):  # the operator's keys never reach the model or the checkpoint
+            output = output.model_copy(update={"content": scrub_content(output.content)})
         limit = ensure_context(request.runtime.context).max_tool_output_tokens
-        return cast("ToolMessage | Command", cap_output(output, limit))
+        return cast("ToolMessage | Command[Any]", cap_output(output, limit))
 
     async def __call__(
-        self, calls: list[ToolCall], config: RunnableConfig, runtime: Runtime[FusionContext]
+        self, state: Any, runtime: Runtime[FusionContext]
     ) -> Union[Command[AfterTool], list[Any], Any]:  # noqa: UP007 - LangGraph reads Command in a Union
-        """Run the call; go to ``route`` unless it was the batch's only one left."""
+        """Run the call; go to ``route`` unless it was the batch's only one left.
+
+        ``state`` is the ``Send`` payload: a list with one tool call, as ``ToolNode`` takes it
+        (named as LangGraph's node protocol names a node's input).
+        """
         seen: list[Any] = []
         token = _SEEN_STATE.set(seen)
         try:
-            output = await self.tool_node.ainvoke(calls, config)
+            output = await self.tool_node.ainvoke(state, get_config())
         finally:
             _SEEN_STATE.reset(token)
         if not seen or not isinstance(output, dict):
             return _to_route(output)
-        state = cast(State, seen[0])
-        pending = pending_calls(state["messages"])
-        alone = [c["id"] for c in next_wave(pending)] == [c["id"] for c in calls]
+        read = cast(State, seen[0])
+        pending = pending_calls(read["messages"])
+        alone = [c["id"] for c in next_wave(pending)] == [c["id"] for c in state]
         if not alone or len(pending) != 1:
             return _to_route(output)
         added: list[AnyMessage] = list(output.get("messages", []))
-        after = cast(State, {**state, "messages": [*state["messages"], *added]})
+        after = cast(State, {**read, "messages": [*read["messages"], *added]})
         decided = await self.route(after, runtime)
         update = {"messages": added, **(cast(dict[str, Any], decided.update) or {})}
         return Command(update=update, goto=decided.goto)

@@ -13,7 +13,7 @@
 - ``inference``: one inference through the chain, recorded
 """
 
-from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain
+from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
 from fusion_graph.providers.llama_server import ChatLlamaServer, LlamaServerUnavailable
 from fusion_graph.providers.models import Provider, ProviderConfigError
 from fusion_graph.providers.resolver import ProviderResolver
@@ -27,6 +27,7 @@ __all__ = [
     "Provider",
     "ProviderChain",
     "ProviderConfigError",
+    "ProviderRequestError",
     "ProviderResolver",
     "SlotPool",
 ]

@@ -22,11 +22,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
@@ -44,7 +46,7 @@ from fusion_graph.providers.health import (
 )
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import Pricing, pricing_for
-from fusion_graph.redact import register_model_secrets, scrub
+from fusion_graph.redact import register_model_secrets, scrub, scrub_content
 from fusion_graph.routing import Leg
 
 logger = logging.getLogger(__name__)
@@ -179,6 +181,46 @@ class ChainExhausted(RuntimeError):
     def __init__(self, message: str, attempts: Sequence[Attempt], retry_in_s: float | None) -> None:
         super().__init__(message)
         self.attempts, self.retry_in_s = tuple(attempts), retry_in_s
+
+
+class ProviderRequestError(RuntimeError):
+    """A request no provider could take: the request itself was refused (4xx), or an unexpected error.
+
+    The project's own error in place of the provider's: its text is scrubbed,
+    the failed attempts are in its notes and ``attempts``, and the provider's
+    exception is not chained (it may carry the key; LangGraph stores and serves
+    a run's error). ``error_type`` names the original exception's class.
+    """
+
+    def __init__(self, message: str, attempts: Sequence[Attempt], error_type: str, kind: str) -> None:
+        super().__init__(message)
+        self.attempts, self.error_type, self.kind = tuple(attempts), error_type, kind
+
+
+def _own_error(error: Exception, attempts: Sequence[Attempt]) -> ProviderRequestError:
+    """``error`` as a ``ProviderRequestError``: scrubbed text, scrubbed traceback and attempts as notes."""
+    kind = classify(error)
+    text = scrub(f"{type(error).__name__}: {error}")
+    what = "the provider refused the request" if kind == "bad_request" else "an unexpected error"
+    own = ProviderRequestError(
+        f"{what} ({kind}), not retried on another provider: {text}", attempts, type(error).__name__, kind
+    )
+    for note in getattr(error, "__notes__", ()):
+        own.add_note(scrub(str(note)))
+    own.add_note(scrub("".join(traceback.format_exception(error))))
+    own.add_note(scrub(f"provider chain attempts: {list(attempts)}"))
+    return own
+
+
+def scrub_answer(answer: T) -> T:
+    """An ``AIMessage`` answer with the registered secret values replaced in its text and tool calls."""
+    if not isinstance(answer, AIMessage):
+        return answer
+    calls = [{**call, "args": scrub_content(call["args"])} for call in answer.tool_calls]
+    content = scrub_content(answer.content)
+    if content == answer.content and calls == answer.tool_calls:
+        return answer
+    return cast(T, answer.model_copy(update={"content": content, "tool_calls": calls}))
 
 
 class ProviderChain:
@@ -342,9 +384,9 @@ class ProviderChain:
 
         Raises:
             ChainExhausted: Every provider failed, is cooling down or cannot hold the request.
-            Exception: A ``bad_request`` or unknown (``other``) error, re-raised unchanged but for a note
-                listing the (scrubbed) attempts: the request would fail on any provider. Its own text
-                is the provider's; scrub it (``redact.scrub``) before logging or storing it.
+            ProviderRequestError: A ``bad_request`` or unknown (``other``) error: the request would
+                fail on any provider. Scrubbed, with the attempts in its notes, never chained to the
+                provider's exception.
         """
         if self._closed:
             raise RuntimeError("the provider chain is closed")
@@ -355,15 +397,18 @@ class ProviderChain:
         link, preferred = self._start(preferred_leg, prefer_provider, can_hold)
         link = link or self._next(failed, can_hold)
         while link is not None:
+            refused: ProviderRequestError | None = None
             try:
                 answer, probe = await self._attempt(link, invoke, preferred, attempts, on_attempt)
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - classified: raised as our own, or fall over
                 if classify(error) in NO_FALLOVER:
-                    error.add_note(scrub(f"provider chain attempts: {attempts}"))
-                    raise
+                    refused = _own_error(error, attempts)
                 failed.add(link)
             else:
+                answer = scrub_answer(answer)
                 return ChainOutcome(link, answer, tuple(attempts), probe, preferred, self._clock() - began)
+            if refused is not None:
+                raise refused  # raised outside the handler: not even as context, the provider's error
             link, preferred = self._next(failed, can_hold), False
         raise self._exhausted(attempts) from None  # see ChainExhausted: no raw provider error
 

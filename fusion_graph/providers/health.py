@@ -38,7 +38,7 @@ HEALTH_FAILURES: frozenset[ErrorClass] = frozenset(
 #: ``other`` (an unknown error, e.g. a bug in a tool binding) is not hidden behind a fallover.
 NO_FALLOVER: frozenset[ErrorClass] = frozenset({"bad_request", "other"})
 #: How langchain-openai words a body that is JSON but not a chat completion.
-_MALFORMED_HINTS = ("'choices'", "Unexpected response type")
+_MALFORMED_HINTS = ("'choices'", "Unexpected response type", "No generations found in stream")
 #: How servers say a request is larger than the context window: llama-server's error type and
 #: text, OpenAI's error code, and the usual wording of OpenAI-compatible servers.
 _OVERFLOW_HINTS = (
@@ -138,6 +138,21 @@ def status_code(error: BaseException) -> int | None:
     return code if isinstance(code, int) else None
 
 
+_LOOP_HINTS = ("bound to a different event loop", "attached to a different loop", "Event loop is closed")
+
+
+def _loop_bound(error: BaseException) -> bool:
+    """Whether ``error`` (or a cause) is a client used from an event loop it does not belong to."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, RuntimeError) and any(hint in str(current) for hint in _LOOP_HINTS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def classify(error: BaseException) -> ErrorClass:
     """Sort an inference error: is the provider at fault, and may another provider try?
 
@@ -152,6 +167,8 @@ def classify(error: BaseException) -> ErrorClass:
     """
     if context_overflow(error):
         return "context_overflow"
+    if _loop_bound(error):
+        return "other"  # our use of a client, not the provider: never a health failure
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -173,6 +190,8 @@ def classify(error: BaseException) -> ErrorClass:
             and any(hint in str(current) for hint in _MALFORMED_HINTS)
         ):
             return "malformed_response"
+        if isinstance(current, openai.APIError):
+            return "server_error"  # an error the server sent in place of an answer (an SSE ``error`` event)
         current = current.__cause__
     return "other"
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from langchain_core.language_models import BaseChatModel
 from langchain_openai import ChatOpenAI
 
+from fusion_graph.providers.http import loop_safe_client
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
 from fusion_graph.redact import register_secret
@@ -78,7 +78,7 @@ def build_cloud_model(settings: FusionSettings) -> BaseChatModel:
         timeout=settings.request_timeout,
         max_retries=0,
         stream_usage=True,
-        http_async_client=httpx.AsyncClient(timeout=settings.request_timeout),
+        http_async_client=loop_safe_client(settings.request_timeout),
         **kwargs,
     )
 
@@ -91,7 +91,7 @@ def build_local_model(settings: FusionSettings) -> BaseChatModel:
         api_key=LOCAL_API_KEY,
         timeout=settings.request_timeout,
         max_retries=0,
-        http_async_client=httpx.AsyncClient(timeout=settings.request_timeout),
+        http_async_client=loop_safe_client(settings.request_timeout),
         # langchain-openai only asks for streamed usage by itself when no
         # base_url is set; llama-server's cache numbers ride on that usage.
         stream_usage=True,

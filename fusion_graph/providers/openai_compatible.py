@@ -10,18 +10,28 @@ An answer that is not a chat completion at all (no ``choices``, a choice
 without a message, tool calls whose ``function`` or ``arguments`` are not what
 the API defines) raises ``health.MalformedAnswer``: the provider's fault, so
 the chain counts it against the provider's health and falls over.
+
+Streaming (what LangGraph Studio and the server make every model do) gets the
+same checks: a stream that yields no generation (a body that is not a stream
+of chat-completion chunks: truncated JSON, an HTML page, empty ``choices``),
+one that breaks off with a parse error, and one that ends before any
+``finish_reason`` are malformed answers, never a reply. So is an answer cut at
+``max_tokens`` before it said anything (``finish_reason: "length"``, no text,
+no tool call), streamed or not.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
-from langchain_core.messages import AIMessage, InvalidToolCall
+from langchain_core.messages import AIMessage, BaseMessage, InvalidToolCall
 from langchain_core.messages.tool import invalid_tool_call
-from langchain_core.outputs import ChatResult
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_openai import ChatOpenAI
+from pydantic import ValidationError
 
 from fusion_graph.providers.health import MalformedAnswer
 
@@ -97,6 +107,25 @@ def check_completion(response: Any) -> None:
             raise MalformedAnswer(why)
 
 
+def check_not_empty_cut(message: BaseMessage, finish_reason: object) -> None:
+    """Raise ``MalformedAnswer`` for an answer cut at ``max_tokens`` before it said anything."""
+    if finish_reason != "length" or not isinstance(message, AIMessage):
+        return
+    if (
+        message.text.strip()
+        or message.tool_calls
+        or message.invalid_tool_calls
+        or getattr(message, "tool_call_chunks", None)
+    ):
+        return
+    raise MalformedAnswer("the answer was cut at max_tokens (finish_reason 'length') before any content")
+
+
+def _finish_reason(chunk: ChatGenerationChunk) -> object:
+    info = chunk.generation_info or {}
+    return info.get("finish_reason") or chunk.message.response_metadata.get("finish_reason")
+
+
 class ChatOpenAICompatible(ChatOpenAI):
     """``ChatOpenAI`` whose non-object tool arguments become ``invalid_tool_calls``.
 
@@ -114,4 +143,27 @@ class ChatOpenAICompatible(ChatOpenAI):
             message = result.generations[index].message if index < len(result.generations) else None
             if isinstance(message, AIMessage):
                 message.invalid_tool_calls = [*message.invalid_tool_calls, *calls]
+        for generation in result.generations:
+            info = generation.generation_info or {}
+            check_not_empty_cut(generation.message, info.get("finish_reason"))
         return result
+
+    async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        """The parent's stream, checked: it must yield an answer and end with a finish reason."""
+        total: ChatGenerationChunk | None = None
+        finish: object = None
+        stream = super()._astream(*args, **kwargs)
+        try:
+            async for chunk in stream:
+                total = chunk if total is None else total + chunk
+                finish = _finish_reason(chunk) or finish
+                yield chunk
+        except (KeyError, IndexError, TypeError, AttributeError, ValidationError) as error:
+            raise MalformedAnswer(
+                f"the stream broke off with an unreadable chunk ({error!r:.160})"
+            ) from error
+        if total is None:
+            raise MalformedAnswer("the stream carried no answer (not a stream of chat-completion chunks)")
+        if finish is None:
+            raise MalformedAnswer("the stream ended before a finish_reason: the answer is incomplete")
+        check_not_empty_cut(total.message, finish)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from fusion_graph.providers.models import Provider, build_cloud_model, build_loc
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
 from fusion_graph.providers.slots import SlotPool
 from fusion_graph.routing import Leg
-from fusion_graph.settings import FusionSettings
+from fusion_graph.settings import ContextError, FusionSettings
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,25 @@ class ProviderResolver:
         # The operator settings are fixed, so a run's narrowing alone decides its chain.
         self._by_context: dict[tuple[str | None, str | None], ProviderChain] = {}
         self._pools: dict[tuple[str, int, bool], SlotPool] = {}
-        self._lock = asyncio.Lock()
+        self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
         self._closed = False
         self._not_llama: set[str] = set()
         self._props: dict[str, ServerProps] = {}
 
+    def check_bounds(self, context: FusionContext) -> None:
+        """Refuse a run context past the operator's size bounds (``ContextError``): the system prompt."""
+        limit = self.settings.max_system_prompt_chars
+        if len(context.system_prompt) > limit:
+            raise ContextError(
+                f"system_prompt is {len(context.system_prompt):,} characters; this deployment allows at "
+                f"most {limit:,} (the operator sets FUSION_MAX_SYSTEM_PROMPT_CHARS)"
+            )
+
     def effective(self, context: FusionContext) -> FusionSettings:
         """The operator's settings as ``context`` may narrow them (``ContextError`` if it may not)."""
+        self.check_bounds(context)
         return self.settings.narrow(cloud_model=context.cloud_model, workspace_root=context.workspace_root)
 
     def _link_key(self, leg: Leg, settings: FusionSettings, prices: Prices) -> tuple[Any, ...]:
@@ -147,6 +160,7 @@ class ProviderResolver:
         """
         if self._closed:
             raise RuntimeError("the provider resolver is closed: build a new graph to run again")
+        self.check_bounds(context)
         narrowing = (context.cloud_model, context.workspace_root)
         known = self._by_context.get(narrowing)
         if known is not None:  # every step of a run asks again: answer from what was resolved
@@ -159,7 +173,7 @@ class ProviderResolver:
             window_s=settings.provider_failure_window_s,
             cooldown_s=settings.provider_cooldown_s,
         )
-        async with self._lock:
+        async with self._locks.setdefault(asyncio.get_running_loop(), asyncio.Lock()):
             prices = _prices(settings)
             links = [await self._link(leg, settings, prices) for leg in ("cloud", "local")]
             key = (tuple(id(link) for link in links), policy, settings.override_provider)

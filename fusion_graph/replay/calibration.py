@@ -170,7 +170,7 @@ def fraction_at(traces: Sequence[Sequence[tuple[int, float]]], base: float, hyst
 
     The same rule as ``decide_leg`` with a calibrated table for ``0 < share < 100``
     (the plan on cloud; escalate at, or stay on cloud down to, ``hysteresis_band``'s bars),
-    on ``(step, points)`` pairs; ``tests/test_calibration.py`` checks they agree.
+    on ``(step, points)`` pairs; ``tests/unit/replay/test_calibration.py`` checks they agree.
     """
     escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
     steps = cloud = 0

@@ -5,13 +5,20 @@ one component at a time with ``openat``-style calls (``dir_fd=``) and
 ``O_NOFOLLOW``, starting from a descriptor of the workspace root. Every check
 runs on the opened descriptor (``os.fstat``), so nothing can be swapped in
 between a check and its use: a symlink anywhere in the path is refused, even
-one that points inside the workspace. The root itself may be a symlink; it is
-configuration, not model input. POSIX only (``dir_fd`` and ``O_NOFOLLOW``).
+one that points inside the workspace. The operator's root itself may be a
+symlink; it is configuration, not model input. A run's narrower root (its
+context's ``workspace_root``) is input, so it is walked from the operator's root
+like any path (``WorkspaceRoot``). An edit holds an exclusive ``flock`` of the
+file's directory from before it opens the file until its rename landed, so
+edits of one file (from any thread, run or process using these tools) run one
+after the other, each on the file the previous one wrote. POSIX only
+(``dir_fd``, ``O_NOFOLLOW``, ``flock``).
 """
 
 from __future__ import annotations
 
 import codecs
+import fcntl
 import heapq
 import os
 import secrets
@@ -34,6 +41,23 @@ _BOM = codecs.BOM_UTF8
 
 class WorkspaceError(ToolException):
     """A path or edit the workspace tools refuse; the message says why."""
+
+
+@dataclass(frozen=True)
+class WorkspaceRoot:
+    """Where the tools start: the operator's root, and the run's directories below it.
+
+    ``base`` is opened by name (operator configuration, may be a symlink);
+    ``sub`` (a run's ``workspace_root``) is walked from it without following symlinks.
+    """
+
+    base: Path
+    sub: tuple[str, ...] = ()
+
+
+def as_root(root: Path | WorkspaceRoot) -> WorkspaceRoot:
+    """``root`` as a ``WorkspaceRoot`` (a plain path is an operator's root)."""
+    return root if isinstance(root, WorkspaceRoot) else WorkspaceRoot(Path(root))
 
 
 @dataclass(frozen=True)
@@ -107,10 +131,22 @@ def _refusal(err: OSError, dir_fd: int, name: str, shown: str, wanted: str) -> W
     return WorkspaceError(f"{shown!r} cannot be opened: {err.strerror}")
 
 
-def _walk(root: Path, parts: list[str]) -> int:
+def _walk(root: Path | WorkspaceRoot, parts: list[str]) -> int:
     """A descriptor of the directory ``parts`` under ``root``; the caller closes it."""
-    fd = _open_root(root)
+    root = as_root(root)
+    fd = _open_root(root.base)
     try:
+        for i, name in enumerate(root.sub):
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as err:
+                refused = _refusal(err, fd, name, "/".join(root.sub[: i + 1]), "directory")
+                raise WorkspaceError(
+                    f"the run's workspace_root cannot be used: {refused}; set workspace_root to a "
+                    "real directory inside the operator's workspace"
+                ) from None
+            fd, parent = child, fd
+            os.close(parent)
         for i, name in enumerate(parts):
             try:
                 child = os.open(name, _DIR_FLAGS, dir_fd=fd)
@@ -125,7 +161,7 @@ def _walk(root: Path, parts: list[str]) -> int:
 
 
 @contextmanager
-def open_dir(root: Path, path: str) -> Iterator[int]:
+def open_dir(root: Path | WorkspaceRoot, path: str) -> Iterator[int]:
     """A descriptor of directory ``path`` inside ``root``, reached without following symlinks."""
     fd = _walk(root, split_relative(path))
     try:
@@ -152,17 +188,20 @@ def _check_regular(st: os.stat_result, path: str, for_edit: bool) -> None:
 
 
 @contextmanager
-def open_file(root: Path, path: str, for_edit: bool = False) -> Iterator[OpenFile]:
+def open_file(root: Path | WorkspaceRoot, path: str, for_edit: bool = False) -> Iterator[OpenFile]:
     """Open regular file ``path`` inside ``root`` for reading, refusing links and special files.
 
     With ``for_edit`` the file is opened read-write too, though only read: the
     edit lands by rename, which would otherwise ignore the file's own permissions.
+    It also holds the directory's edit lock while the file is open.
     """
     parts = split_relative(path)
     if not parts:
         raise WorkspaceError(f"{path!r} is not a file in the workspace (it is the workspace root)")
     dir_fd = _walk(root, parts[:-1])
     try:
+        if for_edit:  # released when dir_fd is closed, after the edit's rename
+            fcntl.flock(dir_fd, fcntl.LOCK_EX)
         try:
             access = os.O_RDWR if for_edit else os.O_RDONLY
             fd = os.open(parts[-1], _FILE_FLAGS | access, dir_fd=dir_fd)

@@ -11,16 +11,20 @@ event loop never blocks (``langgraph dev`` rejects blocking calls).
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from langchain_core.tools import BaseTool, tool
 from langgraph.runtime import Runtime, get_runtime
 
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.settings import FusionSettings, inside_workspace
+from fusion_graph.settings import FusionSettings, workspace_subpath
 from fusion_graph.tools.files import (
     WorkspaceError,
+    WorkspaceRoot,
     decode_line,
     iter_lines,
     open_dir,
@@ -63,7 +67,7 @@ def resolve_in_workspace(root: Path, path: str) -> Path:
     return target
 
 
-def _runtime_root(settings: FusionSettings | None) -> Path:
+def _runtime_root(settings: FusionSettings | None) -> WorkspaceRoot:
     """The workspace root of the current graph run: the operator's, as the run's context narrows it."""
     # Outside any runnable ``get_config`` raises; inside a plain ``tool.ainvoke``
     # (no graph) there is a config but no runtime in it, so ``get_runtime`` gives None.
@@ -78,9 +82,10 @@ def _runtime_root(settings: FusionSettings | None) -> Path:
         )
     context = ensure_context(runtime.context)
     operator = settings if settings is not None else _process_settings()
+    base = Path(operator.workspace_root)
     if context.workspace_root is None:
-        return Path(operator.workspace_root)
-    return inside_workspace(operator.workspace_root, context.workspace_root)
+        return WorkspaceRoot(base)
+    return WorkspaceRoot(base, workspace_subpath(operator.workspace_root, context.workspace_root))
 
 
 @functools.cache
@@ -89,12 +94,40 @@ def _process_settings() -> FusionSettings:
     return FusionSettings()
 
 
+def secret_match(root: WorkspaceRoot, path: str, patterns: Sequence[str]) -> str | None:
+    """The ``secret_files`` pattern that ``path`` (under ``root``) matches, or ``None``.
+
+    A pattern matches one path component (``fnmatch``); one ending in ``/``
+    matches a directory on the way (``.git/``: everything inside git's internals).
+    """
+    parts = [*root.sub, *split_relative(path)]
+    for pattern in patterns:
+        if pattern.endswith("/"):
+            if any(fnmatch.fnmatchcase(part, pattern[:-1]) for part in parts[:-1]) or (
+                parts and fnmatch.fnmatchcase(parts[-1], pattern[:-1])
+            ):
+                return pattern
+        elif parts and fnmatch.fnmatchcase(parts[-1], pattern):
+            return pattern
+    return None
+
+
+def _refuse_secret(root: WorkspaceRoot, path: str, settings: FusionSettings | None) -> None:
+    patterns = (settings if settings is not None else _process_settings()).secret_files
+    pattern = secret_match(root, path, patterns)
+    if pattern is not None:
+        raise WorkspaceError(
+            f"{path!r} matches the secret-file pattern {pattern!r}: the workspace tools do not read, "
+            "list or edit secret files (the operator's FUSION_SECRET_FILES lists them)"
+        )
+
+
 def _json_safe(text: str) -> str:
     """``text`` without lone surrogates, which would break the next model request."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _read(root: Path, path: str, start_line: int, end_line: int | None) -> str:
+def _read(root: WorkspaceRoot, path: str, start_line: int, end_line: int | None) -> str:
     if start_line < 1 or (end_line is not None and end_line < start_line):
         raise WorkspaceError("line range must satisfy 1 <= start_line <= end_line")
     shown: list[str] = []
@@ -130,7 +163,7 @@ def _read(root: Path, path: str, start_line: int, end_line: int | None) -> str:
     return "\n".join(shown)
 
 
-def _list(root: Path, path: str) -> str:
+def _list(root: WorkspaceRoot, path: str) -> str:
     with open_dir(root, path) as fd:
         shown, total = scan_dir(fd, MAX_LIST_ENTRIES)
     if total > len(shown):
@@ -195,17 +228,35 @@ def apply_replacement(data: bytes, path: str, old: str, new: str, count: int) ->
     return data.replace(old_bytes, new_bytes), found
 
 
-def _replace(root: Path, path: str, old: str, new: str, count: int) -> str:
+def _replace(root: WorkspaceRoot, path: str, old: str, new: str, count: int) -> str:
     if not old:
         raise WorkspaceError("old text is empty; give the exact text to replace")
+    if count < 0:
+        raise WorkspaceError(f"count must be 0 (replace every occurrence) or more, got {count}")
     _encode("old", old)
     _encode("new", new)
-    with open_file(root, path, for_edit=True) as opened:
+    with open_file(root, path, for_edit=True) as opened:  # holds the edit lock: edits queue here
         data = read_limited(opened, MAX_EDIT_BYTES, path)
+        if already_applied(data, old, new):
+            return f"already applied: {path} already has the new text and not the old (no change made)"
         updated, found = apply_replacement(data, path, old, new, count)
         if updated != data:
             write_atomic(opened, updated, path)
     return f"replaced {found} occurrence(s) in {path}"
+
+
+def already_applied(data: bytes, old: str, new: str) -> bool:
+    """Whether an edit's result is already in ``data``: ``new`` is there, and ``old`` only inside it.
+
+    A tool call that ran, and runs again on resume (LangGraph runs a task at
+    least once), then reports its edit as applied instead of failing or editing twice.
+    """
+    if not new or old == new:
+        return False
+    for old_bytes, new_bytes in _newline_variants(data, old, new):
+        if new_bytes in data and old_bytes not in data.replace(new_bytes, b""):
+            return True
+    return False
 
 
 def make_workspace_tools(
@@ -218,8 +269,13 @@ def make_workspace_tools(
     context's ``workspace_root`` when it names a directory inside it.
     """
 
-    def base() -> Path:
-        return Path(root) if root is not None else _runtime_root(settings)
+    def _guarded(run: Callable[..., str], where: WorkspaceRoot, path: str, *args: Any) -> str:
+        """``run`` unless ``path`` is a secret file (checked in the worker thread: settings may read .env)."""
+        _refuse_secret(where, path, settings)
+        return run(where, path, *args)
+
+    def base() -> WorkspaceRoot:
+        return WorkspaceRoot(Path(root)) if root is not None else _runtime_root(settings)
 
     @tool(parse_docstring=True)
     async def read_file(path: str, start_line: int = 1, end_line: int | None = None) -> str:
@@ -230,7 +286,7 @@ def make_workspace_tools(
             start_line: First line to return (1-based).
             end_line: Last line to return (inclusive); omit for the end of the file.
         """
-        return _json_safe(await asyncio.to_thread(_read, base(), path, start_line, end_line))
+        return _json_safe(await asyncio.to_thread(_guarded, _read, base(), path, start_line, end_line))
 
     @tool(parse_docstring=True)
     async def list_dir(path: str = ".") -> str:
@@ -239,7 +295,7 @@ def make_workspace_tools(
         Args:
             path: Directory path relative to the workspace root.
         """
-        return _json_safe(await asyncio.to_thread(_list, base(), path))
+        return _json_safe(await asyncio.to_thread(_guarded, _list, base(), path))
 
     @tool(parse_docstring=True)
     async def replace_in_file(path: str, old: str, new: str, count: int = 1) -> str:
@@ -249,9 +305,9 @@ def make_workspace_tools(
             path: File path relative to the workspace root.
             old: The exact text to replace.
             new: The replacement text.
-            count: How many occurrences are expected (0 replaces all of them).
+            count: How many occurrences are expected (0 replaces all of them; never negative).
         """
-        return _json_safe(await asyncio.to_thread(_replace, base(), path, old, new, count))
+        return _json_safe(await asyncio.to_thread(_guarded, _replace, base(), path, old, new, count))
 
     return [read_file, list_dir, replace_in_file]
 

@@ -5,7 +5,7 @@ repository), as LangChain ships ``langchain-tests``: the ``fusion-graph`` wheel
 is the runtime, and this harness needs packages the runtime does not
 (``gguf``, ``numpy``). Tests, benchmarks, notebooks and downstream projects
 install it to start the same server the integration tests use; ``fusion_graph``
-never imports it (``tests/test_wheel.py`` checks). The model writer is
+never imports it (``tests/unit/test_wheel.py`` checks). The model writer is
 imported lazily, so using only the server helpers does not load ``gguf`` and
 ``numpy``.
 """

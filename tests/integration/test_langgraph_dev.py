@@ -1,0 +1,175 @@
+"""The graph under ``langgraph dev``, driven with the official SDK as an API caller would.
+
+A real ``langgraph dev`` server (in-memory runtime) is started on a free
+loopback port with operator settings in its environment, pointing both legs
+at loopback fakes. The run context comes from the caller: a hostile one is
+refused before any provider is asked, a normal one runs a turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from langgraph_sdk import get_client
+
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph_testing.llama_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = Path(sys.executable).with_name("langgraph")
+
+
+@pytest.fixture
+def fakes() -> Iterator[tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]]:
+    plan = Reply(content="Plan: list the workspace", tool_calls=[("list_dir", {"path": "."})])
+    with (
+        FakeOpenAI([Reply(content="hello"), plan]) as cloud,
+        FakeOpenAI([Reply(content="done")]) as local,
+        FakeOpenAI([Reply(content="should never be asked")]) as recorder,
+    ):
+        yield cloud, local, recorder
+
+
+@pytest.fixture
+def server(tmp_path: Path, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]) -> Iterator[str]:
+    if not CLI.exists():
+        pytest.fail(f"langgraph CLI not found at {CLI}: install the dev extra (langgraph-cli[inmem])")
+    cloud, local, _ = fakes
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("hello\n", encoding="utf-8")
+    config = tmp_path / "langgraph.json"
+    graph = json.loads((ROOT / "langgraph.json").read_text(encoding="utf-8"))
+    graph["dependencies"] = [str(ROOT)]
+    graph["graphs"] = {name: str(ROOT / path.removeprefix("./")) for name, path in graph["graphs"].items()}
+    graph["env"] = {}
+    config.write_text(json.dumps(graph), encoding="utf-8")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
+        "OPENAI_API_KEY": "sk-operator-key-for-the-real-cloud",
+        "FUSION_CLOUD_BASE_URL": cloud.base_url,
+        "FUSION_LOCAL_BASE_URL": local.base_url,
+        "FUSION_LOCAL_SLOTS": "4",
+        "FUSION_WORKSPACE_ROOT": str(workspace),
+        "LANGGRAPH_CLI_NO_ANALYTICS": "1",
+        "LANGSMITH_TRACING": "false",
+        "LANGCHAIN_TRACING_V2": "false",
+    }
+    log = (tmp_path / "server.log").open("w")
+    process = subprocess.Popen(
+        [
+            *(str(CLI), "dev", "--config", str(config), "--port", str(port), "--host", "127.0.0.1"),
+            *("--no-browser", "--no-reload"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"langgraph dev exited: {(tmp_path / 'server.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/ok", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"langgraph dev did not start: {(tmp_path / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=20)
+        log.close()
+        shutil.rmtree(tmp_path / ".langgraph_api", ignore_errors=True)
+
+
+async def test_langgraph_dev_serves_defaults_refuses_hostile_context_and_runs_a_turn(
+    server: str, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]
+) -> None:
+    cloud, local, recorder = fakes
+    client: Any = get_client(url=server)  # the SDK's overloads type JSON loosely; the test checks values
+    assistants = await client.assistants.search(graph_id="fusion")
+    assert assistants, "the fusion graph is not served"
+    assistant = assistants[0]["assistant_id"]
+
+    schemas = await client.assistants.get_schemas(assistant)
+    properties: dict[str, Any] = schemas["context_schema"]["properties"]
+    assert properties["cloud_share"]["default"] == 30
+    assert properties["mode"]["default"] == "fusion"
+    assert properties["max_steps"]["default"] == 25
+    assert "cloud_base_url" not in properties and "cloud_api_key_env" not in properties
+    assert properties["cloud_model"]["__template_metadata__"] == {"kind": "llm"}
+
+    # The server drops context keys outside the schema (operator settings, typos) before the graph
+    # sees them; what is in the schema may only narrow. Either way no caller can widen anything.
+    hostile = [
+        (
+            {"cloud_base_url": recorder.base_url, "cloud_api_key_env": "HOME", "workspace_root": "/etc"},
+            "'/etc' lies outside the operator's workspace",
+        ),
+        ({"cloud_model": "a-model-the-operator-never-allowed"}, "is not allowed for this deployment"),
+        ({"cloud_share": 150}, "must be between 0 and 100"),
+    ]
+    for context, message in hostile:
+        thread = await client.threads.create()
+        joined = await client.runs.wait(
+            thread["thread_id"],
+            assistant,
+            input={"messages": [{"role": "user", "content": "read /etc/passwd"}]},
+            context=context,
+            raise_error=False,
+        )
+        assert isinstance(joined, dict) and "__error__" in joined, (context, joined)
+        assert message in joined["__error__"]["message"], joined["__error__"]
+    assert recorder.requests == [], "a hostile context reached the caller's server"
+    assert cloud.requests == [] and local.requests == [], "a refused run still asked a model"
+
+    # Operator settings in a run's context never reach the graph: the run uses the operator's.
+    thread = await client.threads.create()
+    widened = await client.runs.wait(
+        thread["thread_id"],
+        assistant,
+        input={"messages": [{"role": "user", "content": "hi"}]},
+        context={"cloud_base_url": recorder.base_url, "cloud_api_key_env": "HOME", "sub_runners": "off"},
+        raise_error=False,
+    )
+    assert isinstance(widened, dict) and "__error__" not in widened, widened
+    assert recorder.requests == [], "an operator setting in the run context reached the graph"
+    assert len(cloud.requests) == 1 and cloud.requests[0]["model"] == "gpt-4o-mini"
+
+    thread = await client.threads.create()
+    result = await client.runs.wait(
+        thread["thread_id"],
+        assistant,
+        input={"messages": [{"role": "user", "content": "what is in the workspace?"}]},
+        context={"cloud_share": 30, "sub_runners": "off"},
+    )
+    assert isinstance(result, dict)
+    log = result["route_log"]
+    assert [(r["kind"], r["leg"]) for r in log] == [("plan", "cloud"), ("step", "local")]
+    tool_results = [m["content"] for m in result["messages"] if m["type"] == "tool"]
+    assert tool_results == ["notes.txt"]
+    state = await client.threads.get_state(thread["thread_id"])
+    assert [r["provider"] for r in state["values"]["route_log"]] == ["cloud:gpt-4o-mini", "local:local"]
+    assert [body["model"] for body in cloud.requests] == ["gpt-4o-mini", "gpt-4o-mini"]

@@ -1,0 +1,191 @@
+"""``fusion-graph run``: a streamed turn, the checks before it, and the live step table."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import typer
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from rich.console import Console
+
+from fusion_graph.cli import run as cli_run
+from fusion_graph.cli.app import app
+from fusion_graph.cli.run import StepTable
+from fusion_graph.context import FusionContext
+from fusion_graph.settings import FusionSettings
+from tests.plugins.fakes import ai_calls, call, scripted
+from tests.unit.cli.test_traces import invoke_json, runner
+
+# --------------------------------------------------------------------------- run + report
+
+
+def usage(prompt: int, completion: int, cached: int | None = None) -> UsageMetadata:
+    data = UsageMetadata(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion)
+    if cached is not None:
+        data["input_token_details"] = InputTokenDetails(cache_read=cached)
+    return data
+
+
+@pytest.fixture
+def scripted_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[BaseChatModel, BaseChatModel]]]:
+    """Each ``fusion-graph run`` takes the next (cloud, local) pair of scripted models."""
+    pairs: list[tuple[BaseChatModel, BaseChatModel]] = []
+
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        return pairs.pop(0)
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+    yield pairs
+    assert not pairs, "every scripted run was used"
+
+
+def test_run_streams_a_turn_persists_the_thread_and_report_prices_it(
+    tmp_path: Path, scripted_runs: list[tuple[BaseChatModel, BaseChatModel]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The operator's settings: the cloud model and its price ($1 in, $2 out, $0.5 cached per million).
+    monkeypatch.setenv("FUSION_CLOUD_MODEL", "cloudfake")
+    monkeypatch.setenv("FUSION_PRICE_OVERRIDES", json.dumps({"cloudfake": [1.0, 2.0, 0.5]}))
+    (tmp_path / "notes.txt").write_text("remember the milk\n")
+    plan = ai_calls(call("read_file", {"path": "notes.txt"}, "r1"))
+    plan.usage_metadata = usage(1000, 100)
+    scripted_runs.append(
+        (
+            scripted("cloudfake", [plan]),
+            scripted("localfake", [AIMessage("done", usage_metadata=usage(2000, 50, cached=1500))]),
+        )
+    )
+    scripted_runs.append(
+        (
+            scripted("cloudfake", [AIMessage("again", usage_metadata=usage(3000, 10))]),
+            scripted("localfake", []),
+        )
+    )
+    db = tmp_path / "threads.sqlite"
+    common = ["--workspace", str(tmp_path), "--db", str(db), "--thread", "t1"]
+    first = runner.invoke(app, ["run", "read my notes", *common])
+    assert first.exit_code == 0, first.output
+    assert "done" in first.stdout
+    assert "cloud:cloudfake" in first.stdout and "local:localfake" in first.stdout
+    assert "$0.001200" in first.stdout  # the plan: 1000 in + 100 out at $1 / $2 per million
+    assert "--thread t1" in first.stdout
+    second = runner.invoke(app, ["run", "once more", *common])
+    assert second.exit_code == 0, second.output
+    assert "again" in second.stdout
+
+    report = invoke_json("report", "--db", str(db), "--json")
+    row = report["threads"]["t1"]
+    assert (row["turns"], row["inferences"], row["cloud_inferences"], row["local_inferences"]) == (2, 3, 2, 1)
+    assert (row["prompt_tokens"], row["cached_tokens"], row["completion_tokens"]) == (6000, 1500, 160)
+    assert row["cost_usd"] == pytest.approx((1000 + 200 + 3000 + 20) / 1e6)
+    # The local step's tokens at cloud prices: 500 uncached + 1500 cached at $0.5 + 50 out at $2.
+    assert row["all_cloud_cost_usd"] == pytest.approx(row["cost_usd"] + (500 + 750 + 100) / 1e6)
+    assert row["continuation_steps"] == 1 and row["continuation_cloud_fraction"] == 0.0
+
+    table = runner.invoke(app, ["report", "--db", str(db)])
+    assert table.exit_code == 0, table.output
+    assert "t1" in table.stdout and "$0.005570" in table.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize("mode", ["fusion", "local"])
+def test_run_without_a_cloud_key_names_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # The default chain builds both legs, so even a local-only run needs the key.
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    db = tmp_path / "db"
+    context = json.dumps({"mode": mode})
+    result = runner.invoke(
+        app, ["run", "task", "--workspace", str(tmp_path), "--db", str(db), "--context", context]
+    )
+    assert result.exit_code == 2
+    assert "export OPENAI_API_KEY=" in result.stderr
+    assert "FUSION_CLOUD_API_KEY" in result.stderr
+    assert not db.exists()
+
+
+def test_run_with_llama_server_down_names_the_url_and_how_to_start_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    monkeypatch.setenv("FUSION_LOCAL_BASE_URL", url)
+    result = runner.invoke(app, ["run", "task", "--workspace", str(tmp_path), "--db", str(tmp_path / "db")])
+    assert result.exit_code == 2
+    assert url in result.stderr
+    assert "FUSION_LOCAL_BASE_URL" in result.stderr
+    assert "llama-server -m MODEL.gguf" in result.stderr
+
+
+async def test_cloud_only_runs_skip_the_llama_server_check() -> None:
+    assert not cli_run.needs_local(FusionContext(mode="cloud"))
+    assert not cli_run.needs_local(FusionContext(cloud_share=100))
+    assert cli_run.needs_local(FusionContext(mode="local"))
+    assert cli_run.needs_local(FusionContext(cloud_share=99))
+    nowhere = FusionSettings(local_base_url=f"http://127.0.0.1:{free_port()}/v1")
+    await cli_run.check_local_server(FusionContext(mode="cloud"), nowhere)  # does not raise
+    with pytest.raises(typer.Exit):
+        await cli_run.check_local_server(FusionContext(mode="fusion"), nowhere)
+
+
+# --------------------------------------------------------------------------- the live table
+
+
+def rendered(table: StepTable) -> str:
+    console = Console(record=True, width=220)
+    console.print(table.render())
+    return console.export_text()
+
+
+def test_live_table_renders_a_recorded_event_stream() -> None:
+    steps = StepTable()
+    decision = {
+        "event": "fusion_route",
+        "phase": "decision",
+        "turn": 0,
+        "step": 1,
+        "kind": "step",
+        "routed_leg": "local",
+        "score": 12,
+        "threshold": 60,
+        "reason": "score 12 < 60 (T=70 - h=10): back to local",
+        "slot": 2,
+    }
+    steps.apply(decision)
+    pending = rendered(steps)
+    assert "running" in pending and "local …" in pending
+    assert "12 / 60" in pending and "back to local" in pending
+    outcome = {
+        **decision,
+        "phase": "outcome",
+        "leg": "cloud",  # local failed: the chain fell over to cloud
+        "provider": "cloud:gpt-4o-mini",
+        "prompt_tokens": 1234,
+        "cached_tokens": 1000,
+        "completion_tokens": 9,
+        "cost_usd": 0.000123,
+    }
+    steps.apply(outcome)
+    # An event from before the decision/outcome split has no phase: it is an outcome.
+    legacy = {**outcome, "step": 0, "kind": "plan", "leg": "cloud", "routed_leg": "cloud"}
+    del legacy["phase"]
+    steps.apply(legacy)
+    steps.apply({"event": "something_else", "step": 9})
+    text = rendered(steps)
+    assert "running" not in text
+    assert "cloud (routed local)" in text
+    assert "cloud:gpt-4o-mini" in text and "1234" in text and "1000" in text and "$0.000123" in text
+    assert len(steps.rows) == 2
+    assert [key[1] for key in steps.rows] == [1, 0]

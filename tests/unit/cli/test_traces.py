@@ -1,0 +1,223 @@
+"""``fusion-graph replay`` and ``calibrate``: trace replays, the calibrated dial, run context checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from fusion_graph.cli.app import app
+from fusion_graph.context import FusionContext
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def dollar_prices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator prices the default cloud model at $1 in / $2 out per million tokens."""
+    monkeypatch.setenv("FUSION_PRICE_OVERRIDES", json.dumps({"gpt-4o-mini": [1.0, 2.0, None]}))
+
+
+def tool_call(call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+
+
+def write_tiny_traces(path: Path) -> Path:
+    """Three conversations: 2 steps (plan + 1), 1 step (plan only), 2 turns of 2 steps each."""
+    a = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "fix it"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("a1")]},
+        {"role": "tool", "tool_call_id": "a1", "content": "ok"},
+        {"role": "assistant", "content": "done"},
+    ]
+    b = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    c = [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("c1")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "assistant", "content": "first done"},
+        {"role": "user", "content": "two"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("c2")]},
+        {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+        {"role": "assistant", "content": "second done"},
+    ]
+    records = [
+        {"id": "a", "messages": a, "reward": 1},
+        {"id": "b", "messages": b},
+        {"id": "c", "messages": c},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def write_varied_traces(path: Path, count: int = 20) -> Path:
+    """``count`` single-turn tool loops of 2-6 steps with tool output of varied size."""
+    lines = []
+    for index in range(count):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {index}"}]
+        for step in range(2 + index % 5):
+            messages.append(
+                {"role": "assistant", "content": "", "tool_calls": [tool_call(f"t{index}-{step}")]}
+            )
+            size = 40 * ((index * 7 + step * 13) % 23 + 1)
+            messages.append({"role": "tool", "tool_call_id": f"t{index}-{step}", "content": "y" * size})
+        messages.append({"role": "assistant", "content": "finished"})
+        lines.append(json.dumps({"id": f"v{index}", "messages": messages}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def invoke_json(*args: str) -> dict[str, Any]:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def test_replay_json_counts_steps_legs_and_switches(tmp_path: Path, dollar_prices: None) -> None:
+    traces = write_tiny_traces(tmp_path / "tiny.jsonl")
+    out = invoke_json("replay", str(traces), "--cloud-share", "30", "--json")
+    # Plans go cloud (cloud_share > 0); each continuation scores far below the stay bar 60.
+    assert [[s["leg"] for s in t["steps"]] for t in out["trajectories"]] == [
+        ["cloud", "local"],
+        ["cloud"],
+        ["cloud", "local", "cloud", "local"],
+    ]
+    assert (out["steps"], out["cloud_steps"], out["continuation_steps"], out["switches"]) == (7, 4, 3, 4)
+    assert out["cloud_fraction"] == round(4 / 7, 4)
+    assert out["continuation_cloud_fraction"] == 0.0
+    first = out["trajectories"][0]
+    assert [s["step"] for s in first["steps"]] == [0, 1]
+    assert [s["threshold"] for s in first["steps"]] == [None, 60]
+    assert set(first["steps"][1]["breakdown"]) == {
+        "context_pressure",
+        "turn_depth",
+        "transient_notice",
+        "tail_growth",
+    }
+    assert (first["id"], first["reward"]) == ("a", 1.0)
+    # Cost: cloud steps' estimated tokens at the overridden $1 / $2 per million; local is free.
+    rows = [s for t in out["trajectories"] for s in t["steps"]]
+    expected_all = sum(s["prompt_tokens"] * 1.0 + s["completion_tokens"] * 2.0 for s in rows) / 1e6
+    expected = (
+        sum(s["prompt_tokens"] * 1.0 + s["completion_tokens"] * 2.0 for s in rows if s["leg"] == "cloud")
+        / 1e6
+    )
+    assert out["cost_usd"] == pytest.approx(expected)
+    assert out["all_cloud_cost_usd"] == pytest.approx(expected_all)
+    assert 0 < out["cost_usd"] < out["all_cloud_cost_usd"]
+
+
+@pytest.mark.parametrize(("share", "cloud_steps"), [(0, 0), (100, 7)])
+def test_replay_at_the_ends_of_the_dial(tmp_path: Path, share: int, cloud_steps: int) -> None:
+    traces = write_tiny_traces(tmp_path / "tiny.jsonl")
+    out = invoke_json("replay", str(traces), "--cloud-share", str(share), "--json")
+    assert out["cloud_steps"] == cloud_steps
+    assert out["switches"] == 0
+    assert out["continuation_cloud_fraction"] == (1.0 if share else 0.0)
+    if share == 0:
+        assert out["cost_usd"] == 0.0
+    else:
+        assert out["cost_usd"] == pytest.approx(out["all_cloud_cost_usd"])
+
+
+def test_replay_prints_a_table_without_json(tmp_path: Path) -> None:
+    traces = write_tiny_traces(tmp_path / "tiny.jsonl")
+    result = runner.invoke(app, ["replay", str(traces)])
+    assert result.exit_code == 0, result.output
+    assert "tiny" in result.stdout and "cloud_share=30" in result.stdout
+    assert "0.57" in result.stdout  # 4 of 7 steps on cloud
+
+
+def test_replay_plot_writes_a_png(tmp_path: Path) -> None:
+    traces = write_tiny_traces(tmp_path / "tiny.jsonl")
+    target = tmp_path / "timelines.png"
+    result = runner.invoke(app, ["replay", str(traces), "--plot", str(target), "--json"])
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)  # --plot keeps stdout clean JSON
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert target.stat().st_size > 5000
+
+
+def test_replay_of_a_missing_path_fails_with_the_path(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["replay", str(tmp_path / "nowhere")])
+    assert result.exit_code == 2
+    assert "trace path not found" in result.stderr
+    assert "nowhere" in result.stderr
+
+
+def test_replay_rejects_an_invalid_context(tmp_path: Path) -> None:
+    traces = write_tiny_traces(tmp_path / "tiny.jsonl")
+    result = runner.invoke(app, ["replay", str(traces), "--context", '{"cloud_share": 150}'])
+    assert result.exit_code == 2
+    assert "between 0 and 100" in result.stderr
+
+
+# --------------------------------------------------------------------------- calibrate
+
+
+def test_calibrate_hits_the_target_and_replay_agrees(tmp_path: Path) -> None:
+    traces = write_varied_traces(tmp_path / "varied.jsonl")
+    out = invoke_json(
+        "calibrate", str(traces), "--target-cloud-fraction", "0.3", "--json", "--context", '{"max_steps": 30}'
+    )
+    assert out["target"] == 0.3
+    assert out["continuation_steps"] == sum(2 + i % 5 for i in range(20))
+    # Paced, each conversation holds the nearest whole step to 30 % of its 2-6 steps (0.6 -> 1,
+    # 0.9 -> 1, 1.2 -> 1, 1.5 -> 1 or 2, 1.8 -> 2): 0.3 plus what that rounding adds up to.
+    assert 0.3 <= out["achieved"] <= 0.35
+    context = out["context"]
+    assert (context["cloud_share"], context["hysteresis"], context["max_steps"]) == (30, 10, 30)
+    assert len(context["score_quantiles"]) == 101
+    assert context["pace_slack"] == 0.5  # paced by default: a table alone does not transfer
+    FusionContext(**context)  # a valid run context
+    replayed = invoke_json("replay", str(traces), "--json", "--context", json.dumps(context))
+    assert replayed["continuation_cloud_fraction"] == out["achieved"]
+    # --save writes the same context to a file that --context accepts.
+    saved = tmp_path / "calibrated.json"
+    args = ["calibrate", str(traces), "--target-cloud-fraction", "0.3", "--save", str(saved)]
+    result = runner.invoke(app, [*args, "--context", '{"max_steps": 30}'])
+    assert result.exit_code == 0, result.output
+    assert "achieved" in result.stdout
+    assert json.loads(saved.read_text()) == context
+    from_file = invoke_json("replay", str(traces), "--json", "--context", str(saved))
+    assert from_file["continuation_cloud_fraction"] == out["achieved"]
+    # The same table at another share means that share.
+    other = invoke_json(
+        "replay", str(traces), "--json", "--context", json.dumps({**context, "cloud_share": 60})
+    )
+    assert abs(other["continuation_cloud_fraction"] - 0.6) <= 0.06
+
+
+def test_calibrate_paces_unless_told_not_to(tmp_path: Path) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    target = ["--target-cloud-fraction", "0.3", "--json"]
+    table_only = invoke_json("calibrate", traces, *target, "--pace-slack", "0")["context"]
+    assert table_only["pace_slack"] is None
+    from_context = invoke_json("calibrate", traces, *target, "--context", '{"pace_slack": 2}')["context"]
+    assert from_context["pace_slack"] == 2
+    assert table_only["score_quantiles"] == from_context["score_quantiles"]  # the pace is not in the fit
+    result = runner.invoke(app, ["calibrate", traces, *target, "--pace-slack", "0.3"])
+    assert result.exit_code == 2
+    assert "between 0.5 and 100" in result.stderr and "--pace-slack 0" in result.stderr
+
+
+def test_calibrate_refuses_a_target_outside_0_1(tmp_path: Path) -> None:
+    traces = write_varied_traces(tmp_path / "varied.jsonl")
+    result = runner.invoke(app, ["calibrate", str(traces), "--target-cloud-fraction", "1.5"])
+    assert result.exit_code == 2
+    assert "between 0 and 1" in result.stderr
+
+
+def test_an_operator_setting_in_the_run_context_is_refused(tmp_path: Path) -> None:
+    traces = write_tiny_traces(tmp_path / "tiny.jsonl")
+    result = runner.invoke(app, ["replay", str(traces), "--context", '{"local_base_url": "http://x/v1"}'])
+    assert result.exit_code == 2
+    assert "operator setting" in result.stderr and "FUSION_LOCAL_BASE_URL" in result.stderr

@@ -1,0 +1,225 @@
+"""The runtime context: defaults, environment fallbacks, validation and the docs table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from fusion_graph import prompts
+from fusion_graph.context import DEFAULTS, ENV_KEYS, FusionContext, context_fields, ensure_context
+from fusion_graph.graph import build_graph
+from fusion_graph.settings import ContextError, FusionSettings
+from tests.plugins.fakes import scripted, user_input
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+FIELD_NAMES = [f.name for f in dataclasses.fields(FusionContext)]
+
+
+def test_defaults() -> None:
+    context = FusionContext()
+    assert context.mode == "fusion"
+    assert context.cloud_share == 30
+    assert context.hysteresis == 10
+    assert context.max_steps == 25
+    assert context.conversation_max_tokens is None  # the local window, found at run time
+    assert (context.max_completion_tokens, context.max_tool_output_tokens) == (4096, 8000)
+    assert context.max_tool_calls_per_step == 8
+    assert context.loop_repeat_limit == 3
+    assert context.max_repair_attempts == 2
+    assert context.system_prompt == prompts.SYSTEM_PROMPT
+    assert (context.cloud_model, context.workspace_root) == (None, None), "nothing narrowed"
+    settings = FusionSettings()
+    assert settings.cloud_api_key_env == "OPENAI_API_KEY"
+    assert settings.local_base_url.endswith("/v1")
+    assert settings.workspace_root == "."
+
+
+def test_every_field_defaults_to_its_documented_default() -> None:
+    context = FusionContext()
+    assert set(DEFAULTS) == set(ENV_KEYS.values())
+    assert {name: getattr(context, name) for name in FIELD_NAMES} == {
+        name: DEFAULTS[ENV_KEYS[name]] for name in FIELD_NAMES
+    }
+
+
+def test_env_names_follow_the_prefix() -> None:
+    names = FusionContext().env_names
+    assert names["cloud_share"] == "FUSION_CLOUD_SHARE"
+    assert set(names) == set(FIELD_NAMES)
+    # The narrowing fields never read the operator's own variables.
+    assert names["cloud_model"] == "FUSION_RUN_CLOUD_MODEL"
+    assert names["workspace_root"] == "FUSION_RUN_WORKSPACE_ROOT"
+
+
+def run_python(code: str, **env: str) -> str:
+    """Output of ``code`` in a fresh interpreter with ``env`` (context defaults are read at import)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return done.stdout.strip() + done.stderr.strip()
+
+
+def test_env_defaults_are_read_at_import_and_shown_in_the_schema() -> None:
+    code = (
+        "from fusion_graph.context import FusionContext; from pydantic import TypeAdapter; "
+        "props = TypeAdapter(FusionContext).json_schema()['properties']; c = FusionContext(); "
+        "print(c.cloud_share, c.mode, c.max_steps, props['cloud_share']['default'], props['mode']['default'])"
+    )
+    shown = run_python(code, FUSION_CLOUD_SHARE="55", FUSION_MODE="local", FUSION_MAX_STEPS="7")
+    assert shown == "55 local 7 55 local"
+
+
+def test_an_invalid_env_default_names_the_variable_and_range() -> None:
+    shown = run_python("import fusion_graph.context", FUSION_CLOUD_SHARE="150")
+    assert "FUSION_CLOUD_SHARE (cloud_share)" in shown and "must be between 0 and 100" in shown
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("cloud_share", 150, "must be between 0 and 100, got 150"),
+        ("cloud_share", -1, "must be between 0 and 100, got -1"),
+        ("cloud_share", True, "must be a number, got the boolean True"),
+        ("mode", "x", "'cloud', 'local' or 'fusion'"),
+        ("max_steps", 0, "must be between 1 and 1000"),
+        ("hysteresis", 51, "must be between 0 and 50"),
+        ("conversation_max_tokens", 100, "must be between 256 and"),
+        ("max_completion_tokens", 8, "must be between 16 and"),
+        ("max_tool_output_tokens", 50, "must be between 100 and"),
+        ("loop_repeat_limit", 1, "must be between 2 and 100"),
+        ("max_tool_calls_per_step", 0, "must be between 1 and 128"),
+        ("max_repair_attempts", 11, "must be between 0 and 10"),
+        ("max_steps", float("inf"), "must be between 1 and 1000"),
+    ],
+)
+def test_invalid_values_name_field_and_bound(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ContextError) as info:
+        ensure_context({field: value})
+    text = str(info.value)
+    assert field in text
+    assert message in text
+
+
+def test_assignment_is_validated() -> None:
+    context = FusionContext()
+    with pytest.raises(ValidationError, match="cloud_share"):
+        context.cloud_share = 150
+
+
+def test_ensure_context() -> None:
+    given = FusionContext(cloud_share=40)
+    assert ensure_context(given) is given
+    assert ensure_context(None) == FusionContext()
+    assert ensure_context({"mode": "local"}).mode == "local"
+    with pytest.raises(ContextError, match="mode"):
+        ensure_context({"mode": "x"})
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        ({"cloud_shar": 40}, "cloud_shar: Unexpected keyword argument"),
+        ("abc", "must be an object of run settings"),
+        ({"cloud_base_url": "http://127.0.0.1:9/v1"}, "cloud_base_url is an operator setting"),
+        ({"cloud_api_key_env": "HOME"}, "cloud_api_key_env is an operator setting"),
+        ({"request_timeout": 5}, "request_timeout is an operator setting"),
+        ({"price_overrides": {}}, "price_overrides is an operator setting"),
+    ],
+    ids=["typo", "not-an-object", "endpoint", "key-variable", "timeout", "prices"],
+)
+def test_unknown_keys_operator_settings_and_wrong_shapes_are_refused(context: Any, message: str) -> None:
+    with pytest.raises(ContextError, match=message):
+        ensure_context(context)
+
+
+async def test_graph_run_with_an_invalid_context_raises_before_any_model_call() -> None:
+    model = scripted("any", ["never"])
+    graph = build_graph(cloud_model=model, local_model=model, tools=[])
+    for context in ({"cloud_share": 150}, {"local_base_url": "http://127.0.0.1:9/v1"}, "abc"):
+        with pytest.raises(ContextError) as info:
+            # A raw value, as the LangGraph server passes it: the graph must validate it at run time.
+            await graph.ainvoke(user_input("hi"), context=context)  # type: ignore[call-overload]
+        assert (
+            "cloud_share" in str(info.value)
+            or "operator setting" in str(info.value)
+            or "object" in str(info.value)
+        )
+    assert model.prompts == []
+
+
+async def test_a_run_cannot_widen_the_workspace(tmp_path: Path) -> None:
+    model = scripted("any", ["never"])
+    settings = FusionSettings(workspace_root=str(tmp_path))
+    graph = build_graph(cloud_model=model, local_model=model, settings=settings)
+    with pytest.raises(ContextError, match="'/etc' lies outside the operator's workspace"):
+        await graph.ainvoke(user_input("hi"), context={"workspace_root": "/etc"})  # type: ignore[call-overload]
+    assert model.prompts == []
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_context_fields_match_the_dataclass() -> None:
+    rows = context_fields()
+    assert [row[0] for row in rows] == FIELD_NAMES
+    defaults = FusionContext()
+    for name, kind, default, description in rows:
+        assert default == getattr(defaults, name) == DEFAULTS[ENV_KEYS[name]], name
+        assert kind and kind != "?", name
+        assert description.strip(), f"{name} has no description"
+    kinds = {row[0]: row[1] for row in rows}
+    assert kinds["mode"] == "cloud | local | fusion"
+    assert kinds["cloud_share"] == "integer"
+    assert kinds["workspace_root"] == "string | null"
+
+
+def test_readme_has_a_row_with_the_scope_of_every_field() -> None:
+    text = README.read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.lstrip().startswith("|")]
+    expected = [(name, "run") for name in FIELD_NAMES] + [
+        (name, "operator") for name in FusionSettings.model_fields
+    ]
+    missing = [
+        f"{name} ({scope})"
+        for name, scope in expected
+        if not any(re.match(rf"\|\s*`{name}`\s*\|\s*{scope}\s*\|", row) for row in rows)
+    ]
+    assert not missing, f"README.md has no configuration table row for: {', '.join(missing)}"
+
+
+# --------------------------------------------------------------------------- the calibrated dial's fields
+
+
+def test_context_takes_a_table_as_json_text() -> None:
+    # Text is how FUSION_SCORE_QUANTILES arrives from the environment.
+    table = [round(k / 4, 2) for k in range(101)]
+    assert FusionContext(score_quantiles=json.dumps(table)).score_quantiles == tuple(table)  # type: ignore[arg-type]
+    assert FusionContext(score_quantiles="").score_quantiles is None  # type: ignore[arg-type]
+
+
+def test_context_refuses_a_decreasing_table() -> None:
+    with pytest.raises(ValueError, match="non-decreasing"):
+        FusionContext(score_quantiles=(50.0, *([1.0] * 100)))
+
+
+def test_the_pace_is_off_by_default_and_checked() -> None:
+    assert FusionContext().pace_slack is None
+    assert FusionContext(pace_slack="").pace_slack is None  # type: ignore[arg-type]  # an empty FUSION_PACE_SLACK
+    assert FusionContext(pace_slack="1.5").pace_slack == 1.5  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"between 0\.5 and 100"):
+        FusionContext(pace_slack=0.2)
