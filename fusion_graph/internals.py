@@ -29,9 +29,11 @@ Compiled = TypeVar("Compiled", bound=CompiledStateGraph[Any, Any, Any, Any])
 
 
 def reclass(compiled: CompiledStateGraph[Any, Any, Any, Any], cls: type[Compiled]) -> Compiled:
-    """``compiled`` as an instance of ``cls``, a subclass of ``CompiledStateGraph`` that adds methods only.
+    """``compiled`` as an instance of ``cls``, a subclass of ``CompiledStateGraph``.
 
-    The object is the one ``StateGraph.compile`` built (same channels, nodes, checkpointer).
+    The object is the one ``StateGraph.compile`` built (same channels, nodes,
+    checkpointer); ``cls`` may add methods, and attributes its ``__init__`` takes
+    back from ``copy()`` (which passes every instance attribute to ``__init__``).
     """
     # NOTE: ``StateGraph.compile`` has no hook for the class it builds, and the
     # per-thread run queue and input check must wrap ``astream`` itself: they

@@ -75,6 +75,12 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
     memory_runs: MemoryRuns
     """The graph's memory jobs (``fusion_graph.memory.sweep``/``drain(graph=...)`` use them)."""
 
+    def __init__(self, *args: Any, memory_runs: MemoryRuns | None = None, **kwargs: Any) -> None:
+        """As ``CompiledStateGraph``; ``copy()`` (the server copies graphs) keeps ``memory_runs``."""
+        super().__init__(*args, **kwargs)
+        if memory_runs is not None:
+            self.memory_runs = memory_runs
+
     async def _check_resumable(self, config: RunnableConfig | None, thread: Any) -> None:
         """Refuse ``None`` input (a resume) where there is nothing to resume."""
         saver = self.checkpointer

@@ -43,7 +43,7 @@ def stdout_console() -> Console:
 
 def fail(message: str) -> typer.Exit:
     """Print ``message`` as an error on stderr; the caller raises the returned ``Exit(2)``."""
-    stderr_console().print(f"[bold red]error:[/] {message}", highlight=False)
+    stderr_console().print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 

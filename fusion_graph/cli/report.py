@@ -114,7 +114,9 @@ def report(
     """
     prices = run_prices(build_context(context), build_settings()).cloud
     if not db.is_file():
-        raise fail(f"--db {db} does not exist; `fusion-graph run` writes it (or pass the file it wrote)")
+        raise fail(
+            f"no checkpoint database at {db}: `fusion-graph run` writes it (or pass --db with its file)"
+        )
     with storage(f"--db {db}"):
         logs = stored_route_logs(db, thread)
     threads = {tid: thread_summary(log, prices) for tid, log in logs.items()}

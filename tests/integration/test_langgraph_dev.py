@@ -8,6 +8,7 @@ refused before any provider is asked, a normal one runs a turn.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -41,14 +42,11 @@ def fakes() -> Iterator[tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]]:
         yield cloud, local, recorder
 
 
-@pytest.fixture
-def server(tmp_path: Path, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]) -> Iterator[str]:
+@contextlib.contextmanager
+def serve(tmp_path: Path, settings: dict[str, str]) -> Iterator[str]:
+    """A real ``langgraph dev`` in ``tmp_path`` with the operator's ``settings`` in its environment."""
     if not CLI.exists():
         pytest.fail(f"langgraph CLI not found at {CLI}: install the dev extra (langgraph-cli[inmem])")
-    cloud, local, _ = fakes
-    workspace = tmp_path / "workspace"
-    workspace.mkdir()
-    (workspace / "notes.txt").write_text("hello\n", encoding="utf-8")
     config = tmp_path / "langgraph.json"
     graph = json.loads((ROOT / "langgraph.json").read_text(encoding="utf-8"))
     graph["dependencies"] = [str(ROOT)]
@@ -57,14 +55,10 @@ def server(tmp_path: Path, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]) -> 
     config.write_text(json.dumps(graph), encoding="utf-8")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
-        "OPENAI_API_KEY": "sk-operator-key-for-the-real-cloud",
-        "FUSION_CLOUD_BASE_URL": cloud.base_url,
-        "FUSION_LOCAL_BASE_URL": local.base_url,
-        "FUSION_LOCAL_SLOTS": "4",
-        "FUSION_WORKSPACE_ROOT": str(workspace),
         "LANGGRAPH_CLI_NO_ANALYTICS": "1",
         "LANGSMITH_TRACING": "false",
         "LANGCHAIN_TRACING_V2": "false",
+        **settings,
     }
     log = (tmp_path / "server.log").open("w")
     process = subprocess.Popen(
@@ -102,6 +96,23 @@ def server(tmp_path: Path, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]) -> 
             process.wait(timeout=20)
         log.close()
         shutil.rmtree(tmp_path / ".langgraph_api", ignore_errors=True)
+
+
+@pytest.fixture
+def server(tmp_path: Path, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]) -> Iterator[str]:
+    cloud, local, _ = fakes
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("hello\n", encoding="utf-8")
+    settings = {
+        "OPENAI_API_KEY": "sk-operator-key-for-the-real-cloud",
+        "FUSION_CLOUD_BASE_URL": cloud.base_url,
+        "FUSION_LOCAL_BASE_URL": local.base_url,
+        "FUSION_LOCAL_SLOTS": "4",
+        "FUSION_WORKSPACE_ROOT": str(workspace),
+    }
+    with serve(tmp_path, settings) as url:
+        yield url
 
 
 async def test_langgraph_dev_serves_defaults_refuses_hostile_context_and_runs_a_turn(
@@ -173,3 +184,72 @@ async def test_langgraph_dev_serves_defaults_refuses_hostile_context_and_runs_a_
     state = await client.threads.get_state(thread["thread_id"])
     assert [r["provider"] for r in state["values"]["route_log"]] == ["cloud:gpt-4o-mini", "local:local"]
     assert [body["model"] for body in cloud.requests] == ["gpt-4o-mini", "gpt-4o-mini"]
+
+
+KEY = "sk-operator-" + "0123456789abcdefghij" * 2
+
+
+async def test_with_default_settings_a_relative_root_works_and_no_key_reaches_a_caller(
+    tmp_path: Path,
+) -> None:
+    """The newcomer's set-up: default workspace (``.``), the key in the environment, a ``.env`` beside it."""
+    workspace = tmp_path / "project"
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("hello\n", encoding="utf-8")
+    (tmp_path / ".env").write_text(f"OPENAI_API_KEY={KEY}\n", encoding="utf-8")
+    (workspace / ".env").write_text(f"OPENAI_API_KEY={KEY}\n", encoding="utf-8")
+    echo = json.dumps(
+        {"error": {"message": f"Invalid request for key {KEY}", "type": "invalid_request_error"}}
+    )
+    local_script = [
+        Reply(content="", tool_calls=[("read_file", {"path": "notes.txt"})]),
+        Reply(content="", tool_calls=[("read_file", {"path": ".env"})]),
+        Reply(content="done"),
+    ]
+    with (
+        FakeOpenAI([Reply(status=400, raw=echo.encode())]) as cloud,
+        FakeOpenAI(local_script) as local,
+    ):
+        settings = {
+            "OPENAI_API_KEY": KEY,
+            "FUSION_CLOUD_BASE_URL": cloud.base_url,
+            "FUSION_LOCAL_BASE_URL": local.base_url,
+        }
+        with serve(tmp_path, settings) as url:
+            client: Any = get_client(url=url)
+            [assistant] = await client.assistants.search(graph_id="fusion")
+            graph_id = assistant["assistant_id"]
+
+            # A relative workspace_root under the default operator root: it runs (no blocking call).
+            thread = await client.threads.create()
+            local_run = await client.runs.wait(
+                thread["thread_id"],
+                graph_id,
+                input={"messages": [{"role": "user", "content": "read my notes and .env"}]},
+                context={"mode": "local", "sub_runners": "off", "workspace_root": "project"},
+                raise_error=False,
+            )
+            assert isinstance(local_run, dict) and "__error__" not in local_run, local_run
+            tools = [m for m in local_run["messages"] if m["type"] == "tool"]
+            assert "hello" in tools[0]["content"]
+            assert tools[1]["status"] == "error" and "secret-file pattern" in tools[1]["content"]
+            assert cloud.requests == [], "mode=local asked the cloud"
+
+            # The cloud echoes the key in a 400: neither the run's error nor the thread shows it.
+            thread = await client.threads.create()
+            failed = await client.runs.wait(
+                thread["thread_id"],
+                graph_id,
+                input={"messages": [{"role": "user", "content": "plan something"}]},
+                context={"sub_runners": "off"},
+                raise_error=False,
+            )
+            assert isinstance(failed, dict) and "__error__" in failed, failed
+            assert "ProviderRequestError" in json.dumps(failed["__error__"])
+            state = await client.threads.get_state(thread["thread_id"])
+            history = await client.threads.get_history(thread["thread_id"])
+            seen = json.dumps([failed, state, history, local_run], default=str)
+            assert "[REDACTED]" in seen and KEY not in seen
+            assert len(cloud.requests) == 1
+        log = (tmp_path / "server.log").read_text(encoding="utf-8")
+        assert KEY not in log, "the key reached the server log"

@@ -78,3 +78,10 @@ def test_reclass_refuses_anything_but_a_compiled_state_graph() -> None:
     with pytest.raises(TypeError, match="expected a CompiledStateGraph"):
         internals.reclass(graph, FusionGraph)  # already re-classed
     assert isinstance(graph, FusionGraph) and graph.memory_runs is not None
+
+
+def test_a_copy_of_the_graph_keeps_its_class_and_memory_runs() -> None:
+    graph = build_graph(cloud_model=None, local_model=None)
+    copied = graph.copy({"name": "served"})  # what the LangGraph server does with a served graph
+    assert type(copied) is FusionGraph and copied.memory_runs is graph.memory_runs
+    assert graph.with_config({"tags": ["x"]}).memory_runs is graph.memory_runs

@@ -1,0 +1,76 @@
+"""The CLI ends bad input with one line that names the fix, exit code 2, and no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from langchain_core.language_models import BaseChatModel
+
+from fusion_graph.cli import run as cli_run
+from fusion_graph.cli.app import app
+from fusion_graph.context import FusionContext
+from fusion_graph.settings import FusionSettings
+from tests.plugins.fakes import scripted
+from tests.unit.cli.test_traces import runner
+
+
+@pytest.fixture(autouse=True)
+def no_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        return scripted("cloud", ["done"]), scripted("local", ["done"])
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+
+
+def one_line_error(output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    assert "Traceback" not in output
+    assert lines and lines[0].startswith("error:"), output
+    return " ".join(lines)
+
+
+def test_a_postgres_value_that_is_not_a_url(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["run", "task", "--workspace", str(tmp_path), "--postgres", "not-a-url"])
+    assert result.exit_code == 2
+    assert "is not a postgresql://user:password@host:port/db URL" in one_line_error(result.stderr)
+
+
+def test_a_db_that_is_not_sqlite(tmp_path: Path) -> None:
+    db = tmp_path / "threads.sqlite"
+    db.write_bytes(b"this is not a database" * 100)
+    result = runner.invoke(app, ["run", "task", "--workspace", str(tmp_path), "--db", str(db)])
+    assert result.exit_code == 2
+    assert f"--db {db} cannot be used" in one_line_error(result.stderr)
+    report = runner.invoke(app, ["report", "--db", str(db)])
+    assert report.exit_code == 2 and "cannot be used" in one_line_error(report.stderr)
+
+
+def test_a_db_under_a_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    result = runner.invoke(
+        app, ["run", "task", "--workspace", str(tmp_path), "--db", str(blocker / "t.sqlite")]
+    )
+    assert result.exit_code == 2
+    assert "cannot be used" in one_line_error(result.stderr)
+
+
+def test_report_of_a_missing_db(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", "--db", str(tmp_path / "none.sqlite")])
+    assert result.exit_code == 2 and "no checkpoint database at" in one_line_error(result.stderr)
+
+
+def test_as_a_process_the_error_is_one_line_on_stderr(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "fusion_graph", "report", "--db", str(tmp_path / "none.sqlite")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert done.returncode == 2
+    assert "no checkpoint database at" in one_line_error(done.stderr) and "Traceback" not in done.stderr
