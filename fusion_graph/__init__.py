@@ -2,32 +2,101 @@
 
 What users call or catch is here; each subpackage exports the rest
 (``fusion_graph.providers``, ``fusion_graph.memory``, ``fusion_graph.replay``, ...).
-``graph`` is the default graph that ``langgraph.json`` serves, built from the
-``FUSION_*`` environment at import.
+Names are imported on first use, so ``fusion-graph --help`` and tools that
+only need one subpackage start fast. ``graph`` is the default graph that
+``langgraph.json`` serves, built from the ``FUSION_*`` environment on first use.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-from fusion_graph.context import FusionContext
-from fusion_graph.graph import build_graph, graph
-from fusion_graph.memory import MemoryJob, drain, sweep
-from fusion_graph.nodes import InvalidInput
-from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
-from fusion_graph.providers.llama_server import ChatLlamaServer, LlamaServerUnavailable
-from fusion_graph.providers.models import ProviderConfigError
-from fusion_graph.replay import route_history
-from fusion_graph.routing import RouteDecision, decide_leg, score_step
-from fusion_graph.settings import ContextError, FusionSettings
-from fusion_graph.state import RouteRecord
-from fusion_graph.tools import make_workspace_tools
+if TYPE_CHECKING:
+    from fusion_graph.context import FusionContext
+    from fusion_graph.graph import build_graph
+    from fusion_graph.memory import MemoryJob, drain, sweep
+    from fusion_graph.nodes import InvalidInput
+    from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
+    from fusion_graph.providers.llama_server import ChatLlamaServer, LlamaServerUnavailable
+    from fusion_graph.providers.models import ProviderConfigError
+    from fusion_graph.replay import route_history
+    from fusion_graph.routing import RouteDecision, decide_leg, score_step
+    from fusion_graph.run_queue import FusionGraph
+    from fusion_graph.settings import ContextError, FusionSettings
+    from fusion_graph.state import RouteRecord
+    from fusion_graph.tools import make_workspace_tools
+
+    graph: FusionGraph
 
 try:
     __version__ = version("fusion-graph")
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
+#: Where each public name lives.
+_EXPORTS = {
+    "ChainExhausted": "fusion_graph.providers.chain",
+    "ChainLink": "fusion_graph.providers.chain",
+    "ChatLlamaServer": "fusion_graph.providers.llama_server",
+    "ContextError": "fusion_graph.settings",
+    "FusionContext": "fusion_graph.context",
+    "FusionSettings": "fusion_graph.settings",
+    "InvalidInput": "fusion_graph.nodes",
+    "LlamaServerUnavailable": "fusion_graph.providers.llama_server",
+    "MemoryJob": "fusion_graph.memory",
+    "ProviderChain": "fusion_graph.providers.chain",
+    "ProviderConfigError": "fusion_graph.providers.models",
+    "ProviderRequestError": "fusion_graph.providers.chain",
+    "RouteDecision": "fusion_graph.routing",
+    "RouteRecord": "fusion_graph.state",
+    "build_graph": "fusion_graph.graph",
+    "decide_leg": "fusion_graph.routing",
+    "drain": "fusion_graph.memory",
+    "make_workspace_tools": "fusion_graph.tools",
+    "route_history": "fusion_graph.replay",
+    "score_step": "fusion_graph.routing",
+    "sweep": "fusion_graph.memory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use (see ``_EXPORTS``)."""
+    where = _EXPORTS.get(name)
+    if where is None:
+        raise AttributeError(f"module 'fusion_graph' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """This package: ``fusion_graph.graph`` is always the compiled default graph.
+
+    Importing the submodule ``fusion_graph.graph`` makes Python set the
+    package's ``graph`` attribute to that module; the property keeps the public
+    name meaning the compiled graph (the module stays in ``sys.modules``).
+    """
+
+    @property
+    def graph(self) -> Any:
+        """The default graph (``fusion_graph.graph.graph``), built on first use."""
+        return importlib.import_module("fusion_graph.graph").graph
+
+    @graph.setter
+    def graph(self, value: Any) -> None:
+        if not isinstance(value, types.ModuleType):
+            raise AttributeError("fusion_graph.graph is the default graph; build your own with build_graph()")
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "ChainExhausted",

@@ -10,8 +10,10 @@ before anything is written or sent to a model.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import queue
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from langchain_core.messages import convert_to_messages
 from langchain_core.runnables import RunnableConfig
@@ -47,6 +49,72 @@ class _Gates:
 
 
 _GATES = _Gates()
+T = TypeVar("T")
+
+
+class _SyncLoop:
+    """One event loop on a daemon thread, shared by the sync entry points of every graph.
+
+    Every node is async (``langgraph dev`` rejects blocking calls), so ``invoke``
+    and ``stream`` run the async graph here; memory jobs detached by one call
+    go on running after it returns, as they do under ``ainvoke``.
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The shared loop, started on first use."""
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="fusion-graph-sync", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the shared loop and wait for its result here."""
+        _refuse_in_loop()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop()).result()
+
+    def iterate(self, stream: AsyncIterator[T]) -> Iterator[T]:
+        """Yield what ``stream`` yields, running it on the shared loop."""
+        _refuse_in_loop()
+        items: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for item in stream:
+                    items.put(("item", item))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                items.put(("error", error))
+            else:
+                items.put(("done", None))
+
+        asyncio.run_coroutine_threadsafe(pump(), self.loop())
+        while True:
+            kind, value = items.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                return
+
+
+def _refuse_in_loop() -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(
+        "the sync invoke/stream/batch of the fusion graph would block this running event loop: "
+        "use await graph.ainvoke(...) or async for ... in graph.astream(...)"
+    )
+
+
+_SYNC = _SyncLoop()
 
 
 def check_input(input: Any, max_chars: int | None = None) -> None:
@@ -80,6 +148,16 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         super().__init__(*args, **kwargs)
         if memory_runs is not None:
             self.memory_runs = memory_runs
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        """Sync ``invoke`` (and so ``batch``): ``ainvoke`` on the package's own event loop thread."""
+        _refuse_in_loop()
+        return _SYNC.run(self.ainvoke(input, config, **kwargs))
+
+    def stream(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
+        """Sync ``stream``: ``astream`` on the package's own event loop thread."""
+        _refuse_in_loop()
+        return _SYNC.iterate(self.astream(input, config, **kwargs))
 
     async def _check_resumable(self, config: RunnableConfig | None, thread: Any) -> None:
         """Refuse ``None`` input (a resume) where there is nothing to resume."""

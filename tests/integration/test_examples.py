@@ -1,0 +1,36 @@
+"""The README's code runs as written: its Python block is ``examples/quickstart.py``, run here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "quickstart.py"
+
+
+def test_the_readme_shows_the_quickstart_example_verbatim() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"```python\n{EXAMPLE.read_text(encoding='utf-8')}```" in readme
+
+
+def test_the_quickstart_example_runs_against_openai_compatible_servers(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("a note\n", encoding="utf-8")
+    plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
+    with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="A project with one note.")]) as local:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
+            "OPENAI_API_KEY": "sk-example-key-000000",
+            "FUSION_CLOUD_BASE_URL": cloud.base_url,
+            "FUSION_LOCAL_BASE_URL": local.base_url,
+        }
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "A project with one note."
+    assert lines[1].startswith("0 plan cloud") and any(line.startswith("1 step local") for line in lines)
