@@ -6,14 +6,18 @@
     fusion-graph replay ../shared/data/traces --cloud-share 30 --plot timelines.png
     fusion-graph calibrate ../shared/data/traces --target-cloud-fraction 0.2 --json
     fusion-graph report --db .fusion-graph/threads.sqlite
+    fusion-graph doctor --live
 
-Each command lives in its own module (``run``, ``traces``, ``report``).
+Each command lives in its own module (``run``, ``traces``, ``report``, ``doctor``).
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+from fusion_graph.cli.doctor import doctor
 from fusion_graph.cli.report import report
 from fusion_graph.cli.run import run
 from fusion_graph.cli.traces import calibrate_command, replay
@@ -25,10 +29,31 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from fusion_graph import __version__
+
+        typer.echo(f"fusion-graph {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Options before the command (``--version``)."""
+
+
 app.command()(run)
 app.command()(replay)
 app.command("calibrate")(calibrate_command)
 app.command()(report)
+app.command()(doctor)
 
 
 if __name__ == "__main__":  # python -m fusion_graph.cli.app
