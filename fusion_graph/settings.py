@@ -142,6 +142,11 @@ class FusionSettings(BaseSettings):
         description="Directory the built-in file tools are confined to (a run may narrow it to a "
         "directory inside); paths outside it are refused.",
     )
+    cross_leg_fallover: bool = Field(
+        False,
+        description="Let a mode='local' run fall over to cloud (and mode='cloud' to local) when its own "
+        "leg is down; off, a single-leg mode never calls the other leg's provider.",
+    )
     secret_files: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
         DEFAULT_SECRET_FILES,
         description="Name patterns (fnmatch, per path component; a trailing '/' names a directory) "

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, cast
 
@@ -249,7 +249,27 @@ class ProviderChain:
         self._holds: dict[ChainLink, int] = {}
         self._override: str | None = None
         self._closed = False
+        self._owns_links = True
         self._install(links)
+
+    def only(self, legs: Collection[Leg]) -> ProviderChain:
+        """A chain over this chain's links of ``legs``, sharing their health; it never closes a link.
+
+        What a ``mode="local"`` (or ``"cloud"``) run uses, so no call of it can
+        fall over to the other leg.
+        """
+        view = ProviderChain(
+            [link for link in self._links if link.leg in legs],
+            policy=self._policy,
+            retry=self._retry,
+            clock=self._clock,
+            wall_clock=self._wall_clock,
+            sleep=self._sleep,
+        )
+        view._health = {link: self._health[link] for link in view._links}
+        view._override = self._override if self._override in {link.id for link in view._links} else None
+        view._owns_links = False
+        return view
 
     def _install(self, links: Sequence[ChainLink]) -> list[ChainLink]:
         ids = [link.id for link in links]
@@ -336,6 +356,8 @@ class ProviderChain:
         await self.replace([])
 
     async def _close(self, links: Sequence[ChainLink]) -> None:
+        if not self._owns_links:
+            return  # a view: the chain it was taken from closes them
         for link in links:
             try:
                 await link.aclose()

@@ -100,7 +100,7 @@ class ProviderResolver:
         self._links: dict[tuple[Any, ...], ChainLink] = {}
         self._chains: dict[tuple[Any, ...], ProviderChain] = {}
         # The operator settings are fixed, so a run's narrowing alone decides its chain.
-        self._by_context: dict[tuple[str | None, str | None], ProviderChain] = {}
+        self._by_context: dict[tuple[str | None, str | None, tuple[Leg, ...] | None], ProviderChain] = {}
         self._pools: dict[tuple[str, int, bool], SlotPool] = {}
         self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary()
@@ -152,8 +152,22 @@ class ProviderResolver:
             self._links[key] = link
         return link
 
+    def legs_for(self, context: FusionContext) -> tuple[Leg, ...] | None:
+        """The legs a run may use (``None``: both, as in ``fusion``).
+
+        ``mode="local"``/``"cloud"`` only its own, unless the operator allows
+        cross-leg fallover (``cross_leg_fallover``).
+        """
+        if context.mode == "fusion" or self.settings.cross_leg_fallover:
+            return None
+        return (context.mode,)
+
     async def chain(self, context: FusionContext) -> ProviderChain:
         """The chain for a run: ``[cloud, local]`` with the operator's health policy.
+
+        A run in ``mode="local"`` (or ``"cloud"``) gets a chain of that leg's links
+        only: nothing it sends can reach the other leg's provider, not even in an
+        outage, unless the operator sets ``cross_leg_fallover``.
 
         Raises:
             ContextError: ``context`` asks for a model or workspace the operator did not allow.
@@ -161,13 +175,16 @@ class ProviderResolver:
         if self._closed:
             raise RuntimeError("the provider resolver is closed: build a new graph to run again")
         self.check_bounds(context)
-        narrowing = (context.cloud_model, context.workspace_root)
+        legs = self.legs_for(context)
+        narrowing = (context.cloud_model, context.workspace_root, legs)
         known = self._by_context.get(narrowing)
         if known is not None:  # every step of a run asks again: answer from what was resolved
             return known
         settings = self.effective(context)
         if self._fixed_chain is not None:
-            return self._fixed_chain
+            fixed = self._fixed_chain if legs is None else self._fixed_chain.only(legs)
+            self._by_context[narrowing] = fixed
+            return fixed
         policy = HealthPolicy(
             allowed_failures=settings.provider_allowed_failures,
             window_s=settings.provider_failure_window_s,
@@ -175,7 +192,7 @@ class ProviderResolver:
         )
         async with self._locks.setdefault(asyncio.get_running_loop(), asyncio.Lock()):
             prices = _prices(settings)
-            links = [await self._link(leg, settings, prices) for leg in ("cloud", "local")]
+            links = [await self._link(leg, settings, prices) for leg in legs or ("cloud", "local")]
             key = (tuple(id(link) for link in links), policy, settings.override_provider)
             chain = self._chains.get(key)
             if chain is None:

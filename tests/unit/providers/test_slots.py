@@ -11,6 +11,7 @@ from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.slots import SlotPool, slot_body
+from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from fusion_graph_testing.llama_server import free_port
 from tests.plugins.fakes import user_input
@@ -98,6 +99,7 @@ async def test_an_unreachable_local_server_falls_over_instead_of_failing_slot_di
             cloud_model=ChatOpenAI(model="c", base_url=cloud.base_url, api_key="x", max_retries=0),
             local_model=ChatLlamaServer(model="l", base_url=dead, api_key="x", max_retries=0, timeout=2),
             tools=[],
+            settings=FusionSettings(cross_leg_fallover=True),  # mode=local may fall over to cloud
         )
         out = await graph.ainvoke(user_input("hi"), context=FusionContext(mode="local"))
     record = out["route_log"][0]
