@@ -86,6 +86,17 @@ class PromptAnchor(TypedDict):
     provider: str
 
 
+class StepTally(TypedDict):
+    """The paced dial's count of a route log: of its first ``records`` records, the continuation steps."""
+
+    records: int
+    """How many records of ``route_log`` (the first ones) the tally covers."""
+    steps: int
+    """Continuation steps among them (``kind == "step"``)."""
+    cloud: int
+    """Those of them the router sent to cloud (``routed_leg``)."""
+
+
 class Stall(TypedDict):
     """An inference no provider could answer: which node to retry, and what the chain said."""
 
@@ -144,3 +155,10 @@ class State(InputState):
     # survives checkpoints and process restarts (``fusion_graph.sizing.estimate``).
     anchors: NotRequired[dict[str, PromptAnchor]]
     """Per leg: the prompt tokens its server last reported and the messages they covered."""
+    # NOTE: the paced dial's running count of ``route_log`` (``turn.step_tally``), written by the
+    # ``route`` node only when ``pace_slack`` is set, so a step counts the records appended since
+    # the last one instead of the whole thread's log. ``route_log`` only grows (its reducer
+    # appends), so the first ``records`` records stay the ones counted; a tally that covers more
+    # records than the log holds is ignored, and without one the whole log is counted.
+    step_tally: NotRequired[StepTally]
+    """Of the first ``records`` route records: the continuation steps and those routed to cloud."""

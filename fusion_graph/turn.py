@@ -7,6 +7,8 @@ routing rule (``fusion_graph.routing``).
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +29,27 @@ from fusion_graph.sizing.tokens import (
     prompt_estimate,
     system_tokens,
 )
-from fusion_graph.state import PendingRoute, State
+from fusion_graph.state import PendingRoute, RouteRecord, State, StepTally
+
+
+def _is_turn_start(message: BaseMessage) -> bool:
+    return isinstance(message, HumanMessage) and message.name != MEMORY_MESSAGE_NAME
+
+
+def _scan_start(messages: Sequence[BaseMessage], stop: int = -1) -> int | None:
+    """Index of the last turn-start message after ``stop`` (``None``: none there)."""
+    for index in range(len(messages) - 1, stop, -1):
+        if _is_turn_start(messages[index]):
+            return index
+    return None
+
+
+#: Histories whose turn start was found, by the identity of their first message: the messages
+#: and the index. A history that extends a remembered one (the same message objects, or equal
+#: ones) is searched only past it; a step does not walk its turn back to the user's message.
+_STARTS: OrderedDict[int, tuple[list[BaseMessage], int]] = OrderedDict()
+_STARTS_LIMIT = 16
+_STARTS_LOCK = threading.Lock()
 
 
 def turn_start(messages: Sequence[BaseMessage]) -> int:
@@ -35,11 +57,30 @@ def turn_start(messages: Sequence[BaseMessage]) -> int:
 
     The message that carries recalled memories is part of the turn, not its start.
     """
-    for index in range(len(messages) - 1, -1, -1):
-        message = messages[index]
-        if isinstance(message, HumanMessage) and message.name != MEMORY_MESSAGE_NAME:
-            return index
-    return 0
+    if not messages:
+        return 0
+    items = messages if isinstance(messages, list) else list(messages)
+    key = id(items[0])
+    with _STARTS_LOCK:
+        known = _STARTS.get(key)
+        if known is not None and known[0][0] is items[0]:
+            seen, start = known
+            shared = min(len(seen), len(items))
+            if seen[:shared] == items[:shared]:  # the same (or equal) messages: their start holds
+                _STARTS.move_to_end(key)
+                if shared < len(items):
+                    later = _scan_start(items, shared - 1)
+                    start = start if later is None else later
+                    _STARTS[key] = (list(items), start)
+                    return start
+                if start < shared:
+                    return start
+        start = _scan_start(items) or 0
+        _STARTS[key] = (list(items), start)
+        _STARTS.move_to_end(key)
+        if len(_STARTS) > _STARTS_LIMIT:
+            _STARTS.popitem(last=False)
+        return start
 
 
 def last_ai(messages: Sequence[BaseMessage]) -> AIMessage | None:
@@ -50,9 +91,13 @@ def last_ai(messages: Sequence[BaseMessage]) -> AIMessage | None:
 
 
 def _batch_index(messages: Sequence[BaseMessage]) -> int | None:
-    for index in range(len(messages) - 1, turn_start(messages), -1):
-        if isinstance(messages[index], AIMessage):
+    """Index of the last AI message after the turn's start, found walking back from the end."""
+    for index in range(len(messages) - 1, 0, -1):
+        message = messages[index]
+        if isinstance(message, AIMessage):
             return index
+        if _is_turn_start(message):
+            return None
     return None
 
 
@@ -83,18 +128,38 @@ def next_step(state: State) -> int:
     return state.get("step", 0) + 1
 
 
+def step_tally(route_log: Sequence[RouteRecord], known: StepTally | None = None) -> StepTally:
+    """How many continuation steps ``route_log`` holds (``kind == "step"``), and how many went to cloud.
+
+    A step counts for cloud by ``routed_leg``: a cloud step that fell over to
+    local still used its share, so an outage is not followed by a burst of cloud
+    steps. ``known`` is an earlier tally of the same log (``State.step_tally``):
+    the log only grows, so only the records after the ones it covers are counted;
+    one that covers more records than the log holds is ignored.
+    """
+    start, steps, cloud = 0, 0, 0
+    if known is not None and known["records"] <= len(route_log):
+        start, steps, cloud = known["records"], known["steps"], known["cloud"]
+    for index in range(start, len(route_log)):
+        record = route_log[index]
+        if record["kind"] == "step":
+            steps += 1
+            cloud += record["routed_leg"] == "cloud"
+    return StepTally(records=len(route_log), steps=steps, cloud=cloud)
+
+
 def pace_of(state: State, context: FusionContext) -> Pace | None:
     """The paced dial's tally of the thread, read from its route log (``None`` when not paced).
 
     It counts the continuation steps the router sent (``kind == "step"``) and
-    those it sent to cloud by ``routed_leg``: a cloud step that fell over to
-    local still used its share, so an outage is not followed by a burst of cloud
-    steps. Replay rebuilds the route log, so it counts the same records.
+    those it sent to cloud by ``routed_leg`` (``step_tally``), from the tally the
+    ``route`` node kept in ``state["step_tally"]`` on. Replay rebuilds the route
+    log, so it counts the same records.
     """
     if context.pace_slack is None:
         return None
-    routed = [r["routed_leg"] for r in state.get("route_log", []) if r["kind"] == "step"]
-    return Pace(context.pace_slack, len(routed), routed.count("cloud"))
+    tally = step_tally(state.get("route_log", []), state.get("step_tally"))
+    return Pace(context.pace_slack, tally["steps"], tally["cloud"])
 
 
 def output_cut(messages: Sequence[BaseMessage]) -> bool:

@@ -1,6 +1,10 @@
 """Shared pieces of the ``fusion-graph`` CLI: the context option, trace loading, progress bars.
 
 Progress and diagnostics go to stderr, so ``--json`` output on stdout stays clean.
+
+The CLI imports lazily: this module and the command modules import only typer,
+rich and the standard library at import time, so ``fusion-graph --help`` does not
+load LangGraph, LangChain or the provider SDKs; each command imports what it runs.
 """
 
 from __future__ import annotations
@@ -10,24 +14,19 @@ import json
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.redact import scrub
-from fusion_graph.replay.traces import (
-    RecordedTrajectory,
-    StepPrices,
-    TraceError,
-    load_trajectories,
-    step_prices,
-)
-from fusion_graph.settings import ContextError, FusionSettings
+if TYPE_CHECKING:
+    from fusion_graph.context import FusionContext
+    from fusion_graph.replay.traces import RecordedTrajectory, StepPrices
+    from fusion_graph.settings import FusionSettings
+    from fusion_graph.state import RouteRecord
 
 
 def stderr_console() -> Console:
@@ -39,6 +38,13 @@ def stdout_console() -> Console:
     """A console on stdout; 120 columns wide when stdout is not a terminal (pipes, files, tests)."""
     console = Console()
     return console if console.is_terminal else Console(width=120)
+
+
+class RunError(ValueError):
+    """A run cannot start as asked (an unknown thread, a bad ``--postgres`` URL); the message names the fix.
+
+    The commands print it as one line on stderr and exit 2.
+    """
 
 
 def fail(message: str) -> typer.Exit:
@@ -59,6 +65,8 @@ def _storage_errors() -> tuple[type[BaseException], ...]:
 @contextlib.contextmanager
 def storage(where: str) -> Iterator[None]:
     """Turn a checkpoint store that cannot be opened or read into one line on stderr and exit 2."""
+    from fusion_graph.redact import scrub
+
     try:
         yield
     except _storage_errors() as error:
@@ -90,6 +98,9 @@ def context_dict(raw: str | None) -> dict[str, Any]:
 
 def build_context(raw: str | None, **overrides: Any) -> FusionContext:
     """``FusionContext`` from ``--context`` plus explicit options (``None`` options are ignored)."""
+    from fusion_graph.context import ensure_context
+    from fusion_graph.settings import ContextError
+
     data = context_dict(raw)
     data.update({key: value for key, value in overrides.items() if value is not None})
     try:
@@ -100,6 +111,10 @@ def build_context(raw: str | None, **overrides: Any) -> FusionContext:
 
 def build_settings(**overrides: Any) -> FusionSettings:
     """The operator's settings: ``FUSION_*`` variables (and ``.env``), plus explicit options."""
+    from pydantic import ValidationError
+
+    from fusion_graph.settings import FusionSettings
+
     try:
         return FusionSettings(**{key: value for key, value in overrides.items() if value is not None})
     except ValidationError as error:
@@ -108,6 +123,9 @@ def build_settings(**overrides: Any) -> FusionSettings:
 
 def run_prices(context: FusionContext, settings: FusionSettings) -> StepPrices:
     """Prices of replayed steps: the operator's, at the run's cloud model when it narrows it."""
+    from fusion_graph.replay.traces import step_prices
+    from fusion_graph.settings import ContextError
+
     try:
         return step_prices(settings.narrow(cloud_model=context.cloud_model))
     except (ContextError, ValueError) as error:
@@ -116,6 +134,8 @@ def run_prices(context: FusionContext, settings: FusionSettings) -> StepPrices:
 
 def load_or_fail(paths: Sequence[Path]) -> list[RecordedTrajectory]:
     """The trajectories under ``paths``, or a clear error naming what is missing."""
+    from fusion_graph.replay.traces import TraceError, load_trajectories
+
     try:
         trajectories = load_trajectories(paths)
     except TraceError as error:
@@ -140,3 +160,81 @@ def progress(console: Console | None = None) -> Iterator[Progress]:
     )
     with display:
         yield display
+
+
+#: Said wherever a cloud share is shown: why the share of all steps exceeds the dial's.
+PLAN_NOTE = "plans (one per turn) run on cloud whenever cloud_share > 0"
+
+
+@dataclass(frozen=True)
+class CloudShare:
+    """Where the router sent a thread's (or turn's) inferences, over all steps and continuation steps.
+
+    Steps are plans, continuation steps and repairs (memory jobs are not steps);
+    continuation steps are the ``kind="step"`` ones, the share the dial
+    (``cloud_share``) sets. Each turn's plan runs on cloud whenever
+    ``cloud_share > 0``, so the share of all steps is the higher one.
+
+    Attributes:
+        steps: Plans, continuation steps and repairs.
+        cloud_steps: Those the router sent to cloud.
+        continuation_steps: Continuation steps (``kind="step"``).
+        cloud_continuation_steps: Those the router sent to cloud.
+        plans: Plans (one per turn).
+        cloud_plans: Plans sent to cloud.
+    """
+
+    steps: int = 0
+    cloud_steps: int = 0
+    continuation_steps: int = 0
+    cloud_continuation_steps: int = 0
+    plans: int = 0
+    cloud_plans: int = 0
+
+    @classmethod
+    def of(cls, records: Sequence[RouteRecord]) -> CloudShare:
+        """The share of ``records`` (``route_log`` entries), by the leg the router chose."""
+        steps = [r for r in records if r["kind"] != "memory"]
+        continuation = [r for r in steps if r["kind"] == "step"]
+        plans = [r for r in steps if r["kind"] == "plan"]
+        return cls(
+            steps=len(steps),
+            cloud_steps=sum(r["routed_leg"] == "cloud" for r in steps),
+            continuation_steps=len(continuation),
+            cloud_continuation_steps=sum(r["routed_leg"] == "cloud" for r in continuation),
+            plans=len(plans),
+            cloud_plans=sum(r["routed_leg"] == "cloud" for r in plans),
+        )
+
+    def __add__(self, other: CloudShare) -> CloudShare:
+        return CloudShare(*(getattr(self, name) + getattr(other, name) for name in self.__dataclass_fields__))
+
+    @property
+    def fraction(self) -> float:
+        """Share of all steps on cloud (0 without steps)."""
+        return round(self.cloud_steps / self.steps, 4) if self.steps else 0.0
+
+    @property
+    def continuation_fraction(self) -> float:
+        """Share of continuation steps on cloud (0 without any)."""
+        return (
+            round(self.cloud_continuation_steps / self.continuation_steps, 4)
+            if self.continuation_steps
+            else 0.0
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counts and both fractions, for ``--json``."""
+        return {
+            **{name: getattr(self, name) for name in self.__dataclass_fields__},
+            "cloud_fraction": self.fraction,
+            "continuation_cloud_fraction": self.continuation_fraction,
+        }
+
+    def line(self) -> str:
+        """Both shares side by side, and why they differ (two lines)."""
+        return (
+            f"routed to cloud: {self.cloud_steps} of {self.steps} steps ({self.fraction:.0%}) | "
+            f"{self.cloud_continuation_steps} of {self.continuation_steps} continuation steps "
+            f"({self.continuation_fraction:.0%})\n{PLAN_NOTE}; cloud_share sets the continuation share"
+        )

@@ -156,10 +156,9 @@ def cloud_key_check(settings: FusionSettings, found: FoundKey | None) -> Check:
     if not found.exported:
         return Check(
             "cloud key",
-            "warn",
-            f"{found.variable} is set in ./.env only: `langgraph dev` loads it, but `fusion-graph run` "
-            "and build_graph() in your own process read it from the environment only",
-            f"export {found.variable}=... (or name it FUSION_CLOUD_API_KEY in .env, which is read)",
+            "ok",
+            f"{found.variable} is set in ./.env (`fusion-graph run` and `langgraph dev` read it there; "
+            "build_graph() in your own process reads the environment or FUSION_CLOUD_API_KEY)",
         )
     return Check("cloud key", "ok", f"{found.variable} is set (in the {found.where})")
 

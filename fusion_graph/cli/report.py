@@ -1,4 +1,4 @@
-"""``fusion-graph report``: cost and routing of the threads stored in a SQLite checkpoint file."""
+"""``fusion-graph report``: cost, savings and routing of the threads stored in a SQLite checkpoint file."""
 
 from __future__ import annotations
 
@@ -6,41 +6,110 @@ import json
 import sqlite3
 from collections.abc import Sequence
 from contextlib import closing
+from dataclasses import dataclass
+from datetime import datetime
 from itertools import pairwise
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from langgraph.checkpoint.sqlite import SqliteSaver
-from rich.table import Table
 
-from fusion_graph.cli.common import build_context, build_settings, fail, run_prices, stdout_console, storage
+from fusion_graph.cli.common import (
+    PLAN_NOTE,
+    CloudShare,
+    build_context,
+    build_settings,
+    fail,
+    run_prices,
+    stderr_console,
+    stdout_console,
+    storage,
+)
 from fusion_graph.cli.run import DEFAULT_DB
-from fusion_graph.providers.pricing import TokenPrices, answering_leg, chain_totals
-from fusion_graph.state import RouteRecord
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from fusion_graph.providers.pricing import TokenPrices
+    from fusion_graph.state import RouteRecord
+
+#: Characters of a thread's first user message shown by the report.
+FIRST_MESSAGE_CHARS = 40
 
 
-def stored_route_logs(db: Path, thread: str | None = None) -> dict[str, list[RouteRecord]]:
-    """Each stored thread's ``route_log`` from its latest checkpoint, in order of first appearance.
+@dataclass(frozen=True)
+class StoredThread:
+    """What the report reads of one stored thread.
+
+    Attributes:
+        route_log: The ``route_log`` of its latest checkpoint.
+        started_at: ``ts`` of its first checkpoint (ISO 8601, UTC), ``None`` if unreadable.
+        first_message: Its first user message, whitespace collapsed, at most
+            ``FIRST_MESSAGE_CHARS`` characters.
+    """
+
+    route_log: list[RouteRecord]
+    started_at: str | None
+    first_message: str | None
+
+
+def _first_checkpoints(connection: sqlite3.Connection, thread: str | None) -> dict[str, str]:
+    """Each thread's first checkpoint id, oldest thread first (ids are time-ordered UUIDs)."""
+    found = connection.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoints'"
+    ).fetchone()
+    if found is None:
+        return {}
+    where, args = ("AND thread_id = ?", (thread,)) if thread is not None else ("", ())
+    rows = connection.execute(
+        "SELECT thread_id, MIN(checkpoint_id) AS first FROM checkpoints "
+        f"WHERE checkpoint_ns = '' {where} GROUP BY thread_id ORDER BY first",
+        args,
+    ).fetchall()
+    return {str(thread_id): str(first) for thread_id, first in rows}
+
+
+def first_user_message(messages: Sequence[Any], limit: int = FIRST_MESSAGE_CHARS) -> str | None:
+    """The first human message's text, whitespace collapsed, cut to ``limit`` characters with ``…``."""
+    first = next((m for m in messages if getattr(m, "type", None) == "human"), None)
+    if first is None:
+        return None
+    text = " ".join(str(getattr(first, "text", "") or first.content).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def stored_threads(db: Path, thread: str | None = None) -> dict[str, StoredThread]:
+    """Each stored thread's route log, start time and first user message, oldest thread first.
 
     Raises:
         typer.Exit: The file does not exist, or ``thread`` is not in it.
     """
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
     if not db.is_file():
         raise fail(f"no checkpoint database at {db} (fusion-graph run writes {DEFAULT_DB} by default)")
-    logs: dict[str, list[RouteRecord]] = {}
+    threads: dict[str, StoredThread] = {}
     with closing(sqlite3.connect(str(db), check_same_thread=False)) as connection:
+        firsts = _first_checkpoints(connection, thread)
+        if thread is not None and thread not in firsts:
+            raise fail(f"thread {thread!r} is not in {db}")
         saver = SqliteSaver(connection)
-        if thread is None:
-            ids = list(dict.fromkeys(c.config["configurable"]["thread_id"] for c in saver.list(None)))
-        else:
-            ids = [thread]
-        for thread_id in ids:
-            latest = saver.get_tuple({"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}})
-            if latest is None:
-                raise fail(f"thread {thread_id!r} is not in {db}")
-            logs[thread_id] = list(latest.checkpoint["channel_values"].get("route_log", []))
-    return logs
+        for thread_id, first_id in firsts.items():
+            config: Any = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
+            latest = saver.get_tuple(config)
+            first = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": first_id}})
+            values = latest.checkpoint["channel_values"] if latest is not None else {}
+            threads[thread_id] = StoredThread(
+                route_log=list(values.get("route_log", [])),
+                started_at=first.checkpoint.get("ts") if first is not None else None,
+                first_message=first_user_message(values.get("messages", [])),
+            )
+    return threads
+
+
+def stored_route_logs(db: Path, thread: str | None = None) -> dict[str, list[RouteRecord]]:
+    """Each stored thread's ``route_log`` from its latest checkpoint, oldest thread first."""
+    return {tid: stored.route_log for tid, stored in stored_threads(db, thread).items()}
 
 
 def all_cloud_cost(records: Sequence[RouteRecord], cloud: TokenPrices | None) -> float | None:
@@ -48,6 +117,8 @@ def all_cloud_cost(records: Sequence[RouteRecord], cloud: TokenPrices | None) ->
 
     Cloud inferences keep their recorded cost when they have one.
     """
+    from fusion_graph.providers.pricing import answering_leg
+
     if cloud is None:
         return None
     total = 0.0
@@ -63,22 +134,33 @@ def all_cloud_cost(records: Sequence[RouteRecord], cloud: TokenPrices | None) ->
     return total
 
 
+def savings(cost: float, all_cloud: float | None) -> tuple[float | None, float | None]:
+    """``(all_cloud - cost, that as a fraction of all_cloud)``; ``None`` where unknown."""
+    if all_cloud is None:
+        return None, None
+    saved = all_cloud - cost
+    return saved, (round(saved / all_cloud, 4) if all_cloud > 0 else None)
+
+
 def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) -> dict[str, Any]:
-    """Routing and cost of one thread's records."""
+    """Routing, cost and savings of one thread's records (both cloud shares: see ``CloudShare``)."""
+    from fusion_graph.providers.pricing import chain_totals
+
     totals = chain_totals(records)
-    continuation = [r for r in records if r["kind"] == "step"]
+    share = CloudShare.of(records)
     legs = [r["routed_leg"] for r in records if r["kind"] != "memory"]
+    all_cloud = all_cloud_cost(records, cloud)
+    saved, fraction = savings(totals.total.cost_usd, all_cloud)
     return {
         "turns": len({r["turn"] for r in records}),
         "inferences": totals.total.inferences,
         "cloud_inferences": totals.cloud.inferences,
         "local_inferences": totals.local.inferences,
-        "continuation_steps": len(continuation),
-        "continuation_cloud_fraction": (
-            round(sum(r["routed_leg"] == "cloud" for r in continuation) / len(continuation), 4)
-            if continuation
-            else 0.0
-        ),
+        "steps": share.steps,
+        "plans": share.plans,
+        "cloud_fraction": share.fraction,
+        "continuation_steps": share.continuation_steps,
+        "continuation_cloud_fraction": share.continuation_fraction,
         "switches": sum(a != b for a, b in pairwise(legs)),
         "fallovers": sum(r["leg"] != r["routed_leg"] for r in records),
         "prompt_tokens": totals.total.prompt_tokens,
@@ -86,12 +168,98 @@ def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) ->
         "completion_tokens": totals.total.completion_tokens,
         "cost_usd": totals.total.cost_usd,
         "unpriced": totals.total.unpriced,
-        "all_cloud_cost_usd": all_cloud_cost(records, cloud),
+        "all_cloud_cost_usd": all_cloud,
+        "savings_usd": saved,
+        "savings_fraction": fraction,
     }
+
+
+def totals_summary(
+    logs: Sequence[Sequence[RouteRecord]], rows: Sequence[dict[str, Any]], cloud: TokenPrices | None
+) -> dict[str, Any]:
+    """All threads together: their records summarised at once, turns and switches added up per thread."""
+    total = thread_summary([record for log in logs for record in log], cloud)
+    for name in ("turns", "switches"):
+        total[name] = sum(row[name] for row in rows)
+    return {"threads": len(rows), **total}
+
+
+def price_hint(cloud_model: str, cloud: TokenPrices | None, unpriced: int) -> str | None:
+    """How to price what the report could not, naming the settings; ``None`` when every price is known."""
+    if cloud is not None and not unpriced:
+        return None
+    what = (
+        f"the cloud model {cloud_model!r} has no known price (all-cloud and savings are unknown)"
+        if cloud is None
+        else f"{unpriced} inference(s) have no cost (their provider's price is unknown)"
+    )
+    return (
+        f"{what}: set FUSION_PRICE_OVERRIDES='{{\"{cloud_model}\": [input, output, cached_input]}}' "
+        "(USD per million tokens, by model name or provider id), or FUSION_CLOUD_PRICE_LIKE=openai "
+        "for a gateway that bills like a catalogue provider"
+    )
 
 
 def _money(value: float | None) -> str:
     return "unknown" if value is None else f"${value:.6f}"
+
+
+def _saved(row: dict[str, Any]) -> str:
+    if row["savings_usd"] is None:
+        return "unknown"
+    fraction = row["savings_fraction"]
+    return _money(row["savings_usd"]) + (f"\n{fraction:.0%}" if fraction is not None else "")
+
+
+def _started(ts: str | None) -> str:
+    if not ts:
+        return "-"
+    try:
+        return datetime.fromisoformat(ts).astimezone().strftime("%Y-%m-%d\n%H:%M")
+    except ValueError:
+        return ts
+
+
+def report_table(db: Path, threads: dict[str, dict[str, Any]], total: dict[str, Any]) -> Table:
+    """One row per thread (its first message under its id) and a totals row."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(
+        title=f"threads in {db}",
+        caption=f"cloud all: share of all steps; cloud cont.: of continuation steps;\n{PLAN_NOTE}",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+        title_justify="left",
+        caption_justify="left",
+    )
+    table.add_column("thread", overflow="fold", max_width=24)
+    table.add_column("started", no_wrap=True)
+    for name in ("turns", "steps", "cloud\nall", "cloud\ncont.", "switches", "cost", "all-cloud", "saved"):
+        table.add_column(name, justify="right", no_wrap=True)
+
+    def cells(row: dict[str, Any]) -> list[str]:
+        cost = _money(row["cost_usd"]) + (f"\n+{row['unpriced']} unpriced" if row["unpriced"] else "")
+        return [
+            str(row["turns"]),
+            str(row["steps"]),
+            f"{row['cloud_fraction']:.2f}",
+            f"{row['continuation_cloud_fraction']:.2f}",
+            str(row["switches"]),
+            cost,
+            _money(row["all_cloud_cost_usd"]),
+            _saved(row),
+        ]
+
+    for index, (tid, row) in enumerate(threads.items()):
+        label = Text(tid)
+        if row["first_message"]:
+            label.append(f"\n{row['first_message']}", style="dim")
+        table.add_row(label, _started(row["started_at"]), *cells(row), end_section=index == len(threads) - 1)
+    table.add_row(Text(f"total ({total['threads']})", style="bold"), "", *cells(total), style="bold")
+    return table
 
 
 def report(
@@ -110,43 +278,42 @@ def report(
     The all-cloud figure prices every inference's reported tokens (cached ones
     as cached) at the cloud model's prices (FUSION_CLOUD_MODEL, or the context's
     cloud_model; FUSION_PRICE_OVERRIDES or the genai-prices catalogue); cloud
-    inferences keep their recorded cost.
+    inferences keep their recorded cost. Savings are all-cloud minus cost. Both
+    cloud shares are shown: of all steps, and of continuation steps (what
+    cloud_share sets; each turn's plan runs on cloud whenever cloud_share > 0).
     """
-    prices = run_prices(build_context(context), build_settings()).cloud
+    run_context = build_context(context)
+    settings = build_settings()
+    prices = run_prices(run_context, settings).cloud
     if not db.is_file():
         raise fail(
             f"no checkpoint database at {db}: `fusion-graph run` writes it (or pass --db with its file)"
         )
     with storage(f"--db {db}"):
-        logs = stored_route_logs(db, thread)
-    threads = {tid: thread_summary(log, prices) for tid, log in logs.items()}
+        stored = stored_threads(db, thread)
+    threads = {
+        tid: {
+            **thread_summary(one.route_log, prices),
+            "started_at": one.started_at,
+            "first_message": one.first_message,
+        }
+        for tid, one in stored.items()
+    }
+    total = totals_summary([one.route_log for one in stored.values()], list(threads.values()), prices)
+    hint = price_hint(run_context.cloud_model or settings.cloud_model, prices, total["unpriced"])
     if as_json:
-        typer.echo(json.dumps({"db": str(db), "threads": threads}, indent=2))
+        output = {
+            "db": str(db),
+            "threads": threads,
+            "totals": total,
+            "savings_usd": total["savings_usd"],
+            "savings_fraction": total["savings_fraction"],
+            "price_hint": hint,
+        }
+        typer.echo(json.dumps(output, indent=2))
         return
-    table = Table(title=f"threads in {db}")
-    columns = (
-        "thread",
-        "turns",
-        "inferences",
-        "cloud",
-        "local",
-        "cont. cloud",
-        "switches",
-        "cost",
-        "all-cloud",
-    )
-    for name in columns:
-        table.add_column(name, justify="left" if name == "thread" else "right")
-    for tid, row in threads.items():
-        table.add_row(
-            tid,
-            str(row["turns"]),
-            str(row["inferences"]),
-            str(row["cloud_inferences"]),
-            str(row["local_inferences"]),
-            f"{row['continuation_cloud_fraction']:.2f}",
-            str(row["switches"]),
-            _money(row["cost_usd"]) + (f" (+{row['unpriced']} unpriced)" if row["unpriced"] else ""),
-            _money(row["all_cloud_cost_usd"]),
-        )
-    stdout_console().print(table)
+    stdout_console().print(report_table(db, threads, total))
+    if hint is not None:
+        from rich.text import Text
+
+        stderr_console().print(Text.assemble(("note: ", "yellow"), hint), soft_wrap=True)

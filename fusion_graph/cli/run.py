@@ -1,321 +1,298 @@
 """``fusion-graph run``: one turn against the configured servers, with a live table of its steps.
 
-The table is fed by the graph's ``fusion_route`` custom stream events: a
-``decision`` event before each inference (the row appears, marked running)
-and an ``outcome`` event after it (who answered, tokens, cost). An event
-without a ``phase`` is an outcome.
+``run_task`` is the command without the terminal: it opens the thread's
+checkpoints and the memory store, runs one turn, waits for its memory jobs
+and returns a ``RunResult``. The command adds the fail-fast checks (cloud key,
+also read from ``./.env``, and llama-server: ``cli.checks``), the live view
+(``cli.live``) or ``--json``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import typer
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, HumanMessage
-from langchain_core.runnables import RunnableConfig
-from langgraph.checkpoint.base import BaseCheckpointSaver
-from langgraph.graph.state import CompiledStateGraph
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
 
-from fusion_graph.cli.common import build_context, build_settings, fail, stdout_console, storage
-from fusion_graph.context import FusionContext
-from fusion_graph.nodes.inference import InvalidInput
-from fusion_graph.providers.chain import ChainExhausted, ProviderRequestError
-from fusion_graph.providers.llama_server import (
-    START_HINT,
-    LlamaServerUnavailable,
-    NotLlamaServer,
-    fetch_total_slots,
+from fusion_graph.cli.checks import (
+    check_cloud_key,
+    check_local_server,
+    default_models,
+    needs_local,
+    with_dotenv_key,
 )
-from fusion_graph.providers.models import ProviderConfigError
-from fusion_graph.providers.pricing import chain_totals
-from fusion_graph.redact import scrub
-from fusion_graph.settings import ContextError, FusionSettings
-from fusion_graph.state import InputState, RouteRecord, State
+from fusion_graph.cli.common import (
+    CloudShare,
+    RunError,
+    build_context,
+    build_settings,
+    fail,
+    stderr_console,
+    stdout_console,
+    storage,
+)
+from fusion_graph.cli.live import StepTable
 
-ROUTE_EVENT = "fusion_route"  # the executor's event name (kept literal: no import of the node layer)
+if TYPE_CHECKING:
+    from langchain_core.language_models import BaseChatModel
+
+    from fusion_graph.context import FusionContext
+    from fusion_graph.settings import FusionSettings
+    from fusion_graph.state import RouteRecord
+
+__all__ = [  # the checks and the live table are part of `run` (re-exported)
+    "DEFAULT_DB",
+    "MODELS",
+    "RunResult",
+    "StepTable",
+    "check_cloud_key",
+    "check_local_server",
+    "default_models",
+    "needs_local",
+    "run",
+    "run_task",
+    "with_dotenv_key",
+]
+
 DEFAULT_DB = Path(".fusion-graph") / "threads.sqlite"
 
 #: ``(cloud, local)`` models of a run, or ``None`` to let the graph build them from the settings.
-ModelFactory = Callable[
-    [FusionContext, FusionSettings], Awaitable[tuple[BaseChatModel, BaseChatModel] | None]
-]
+ModelFactory: TypeAlias = (
+    "Callable[[FusionContext, FusionSettings], Awaitable[tuple[BaseChatModel, BaseChatModel] | None]]"
+)
 
 
-# -- fail fast ------------------------------------------------------------------------
-
-
-def needs_local(context: FusionContext) -> bool:
-    """Whether a run can call llama-server."""
-    return context.mode == "local" or (context.mode == "fusion" and context.cloud_share < 100)
-
-
-def check_cloud_key(settings: FusionSettings) -> None:
-    """Raise a CLI error naming the variable to set when the cloud key is missing.
-
-    The graph's default chain builds both legs whatever the mode, so the key is needed even
-    for a run that would only use llama-server.
-    """
-    if settings.api_key() is None:
-        raise fail(
-            f"the cloud leg needs an API key: export {settings.cloud_api_key_env}=... "
-            "(FUSION_CLOUD_API_KEY_ENV names the variable; FUSION_CLOUD_API_KEY holds the key itself)"
-        )
-
-
-async def check_local_server(
-    context: FusionContext, settings: FusionSettings, *, timeout: float = 3.0
-) -> None:
-    """Raise a CLI error naming the URL, the variable and how to start llama-server when it is down."""
-    if not needs_local(context):
-        return
-    try:
-        await fetch_total_slots(settings.local_base_url, timeout=timeout)
-    except LlamaServerUnavailable as error:
-        raise fail(
-            f"llama-server is not reachable at {settings.local_base_url}: point FUSION_LOCAL_BASE_URL "
-            f"at its /v1 URL, or {START_HINT}.\n  ({error})"
-        ) from error
-    except NotLlamaServer:
-        pass  # another OpenAI-compatible server: it runs, without slot affinity
-
-
-async def default_models(
-    context: FusionContext, settings: FusionSettings
-) -> tuple[BaseChatModel, BaseChatModel] | None:
-    """Check the configured endpoints (fail fast); the graph then builds its models from the settings."""
-    check_cloud_key(settings)
-    await check_local_server(context, settings)
-    return None
-
-
-#: The model factory ``run`` uses; embedding code and tests may swap in their own (e.g. scripted models).
+#: The model factory ``run`` uses: ``checks.default_models`` checks the key and llama-server and
+#: lets the graph build its models; embedding code and tests may swap in their own (scripted models).
 MODELS: ModelFactory = default_models
 
 
-# -- the live table -------------------------------------------------------------------
-
-
-@dataclass
-class StepRow:
-    """One inference as the events describe it so far."""
-
-    turn: int
-    step: int
-    kind: str
-    routed_leg: str
-    leg: str | None = None
-    score: int | None = None
-    threshold: float | None = None
-    reason: str = ""
-    provider: str | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    cost_usd: float | None = None
-    done: bool = False
-
-
-def _num(value: Any) -> str:
-    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _cost(value: float | None) -> str:
-    return "-" if value is None else f"${value:.6f}"
-
-
-@dataclass
-class StepTable:
-    """The rows of a turn, updated from ``fusion_route`` events."""
-
-    rows: dict[tuple[int, int, str], StepRow] = field(default_factory=dict)
-
-    def apply(self, event: Mapping[str, Any]) -> None:
-        """Add or complete a row; events of other kinds are ignored."""
-        if event.get("event") != ROUTE_EVENT:
-            return
-        key = (int(event.get("turn", 0)), int(event.get("step", 0)), str(event.get("kind", "step")))
-        row = self.rows.get(key)
-        if row is None:
-            routed = str(event.get("routed_leg") or event.get("leg") or "?")
-            row = self.rows[key] = StepRow(*key, routed_leg=routed)
-        row.score = event.get("score", row.score)
-        row.threshold = event.get("threshold", row.threshold)
-        row.reason = str(event.get("reason") or row.reason)
-        if event.get("phase", "outcome") == "outcome":
-            row.done = True
-            row.leg = event.get("leg")
-            row.provider = event.get("provider")
-            row.prompt_tokens = event.get("prompt_tokens")
-            row.cached_tokens = event.get("cached_tokens")
-            row.completion_tokens = event.get("completion_tokens")
-            row.cost_usd = event.get("cost_usd")
-
-    def render(self) -> Table:
-        """The live table: step, leg, score vs threshold, reason, provider, tokens, cost."""
-        table = Table(title="steps", expand=False)
-        for name in ("turn", "step", "kind", "leg", "score / T", "reason", "provider", "prompt", "cached"):
-            table.add_column(name, overflow="fold")
-        table.add_column("cost", justify="right")
-        for row in self.rows.values():
-            leg = row.leg or row.routed_leg
-            shown_leg = f"[{'magenta' if leg == 'cloud' else 'cyan'}]{leg}[/]"
-            if row.leg is not None and row.leg != row.routed_leg:
-                shown_leg += f" (routed {row.routed_leg})"
-            if not row.done:
-                shown_leg += " …"
-            versus = (
-                _num(row.score) if row.threshold is None else f"{_num(row.score)} / {_num(row.threshold)}"
-            )
-            table.add_row(
-                str(row.turn),
-                str(row.step),
-                row.kind,
-                shown_leg,
-                versus,
-                row.reason,
-                row.provider or ("running" if not row.done else "-"),
-                _num(row.prompt_tokens),
-                _num(row.cached_tokens),
-                _cost(row.cost_usd),
-            )
-        return table
-
-
-def leg_summary(records: list[RouteRecord]) -> Table:
-    """Per answering leg: inferences, tokens and cost (``pricing.chain_totals``)."""
-    totals = chain_totals(records)
-    table = Table(title="per leg")
-    for name in ("leg", "inferences", "prompt", "cached", "completion", "cost"):
-        table.add_column(name, justify="right" if name != "leg" else "left")
-    for name, leg in (("local", totals.local), ("cloud", totals.cloud), ("total", totals.total)):
-        cost = _cost(leg.cost_usd) + (f" (+{leg.unpriced} unpriced)" if leg.unpriced else "")
-        table.add_row(
-            name,
-            str(leg.inferences),
-            str(leg.prompt_tokens),
-            str(leg.cached_tokens),
-            str(leg.completion_tokens),
-            cost,
-        )
-    return table
-
-
-# -- running a turn -------------------------------------------------------------------
-
-
-async def run_turn(
-    graph: CompiledStateGraph[State, FusionContext, InputState, State],
-    task: str,
-    *,
-    config: RunnableConfig,
-    context: FusionContext,
-    console: Console,
-) -> dict[str, Any]:
-    """Run one turn, showing a live step table on ``console``; return the final state values."""
-    steps = StepTable()
-    values: dict[str, Any] = {}
-    with Live(steps.render(), console=console, refresh_per_second=8) as live:
-        async for mode, chunk in graph.astream(
-            {"messages": [HumanMessage(task)]}, config, context=context, stream_mode=["custom", "values"]
-        ):
-            if mode == "custom" and isinstance(chunk, Mapping):
-                steps.apply(chunk)
-                live.update(steps.render())
-            elif mode == "values" and isinstance(chunk, dict):
-                values = chunk
-    console.print()
-    turn = values.get("turn", 0)
-    records = [r for r in values.get("route_log", []) if r["turn"] == turn]
-    answer = next((m for m in reversed(values.get("messages", [])) if isinstance(m, AIMessage)), None)
-    console.print(Group("[bold]answer[/]", answer.text if answer is not None else "(no answer)"))
-    console.print(leg_summary(records))
-    return values
-
-
-@asynccontextmanager
-async def open_saver(db: Path, postgres: str | None) -> AsyncIterator[BaseCheckpointSaver[str]]:
-    """The thread checkpointer: SQLite at ``db`` by default, Postgres with ``--postgres``."""
-    if postgres:
-        if not postgres.startswith(("postgres://", "postgresql://")):
-            raise fail(f"--postgres {scrub(postgres)!r} is not a postgresql://user:password@host:port/db URL")
-        try:
-            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-        except ImportError as error:
-            raise fail(
-                "--postgres needs langgraph-checkpoint-postgres: pip install "
-                "'langgraph-checkpoint-postgres' 'psycopg[binary]'"
-            ) from error
-        manager = cast(
-            AbstractAsyncContextManager[BaseCheckpointSaver[str]],
-            AsyncPostgresSaver.from_conn_string(postgres),
-        )
-        async with manager as saver:
-            await saver.setup()  # type: ignore[attr-defined]
-            yield saver
-        return
-    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-
-    db.parent.mkdir(parents=True, exist_ok=True)
-    async with AsyncSqliteSaver.from_conn_string(str(db)) as sqlite:
-        yield sqlite
+# -- one turn -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class RunRequest:
-    """One ``fusion-graph run``: the task, where it runs and where its thread persists."""
+class RunResult:
+    """What one ``run_task`` turn did.
 
-    task: str
-    context: FusionContext
-    settings: FusionSettings
-    thread: str
-    db: Path
-    postgres: str | None
+    Attributes:
+        answer: The text of the turn's last AI message (``None``: there is none).
+        thread_id: The thread the turn ran on (continue it with ``--thread``).
+        route_log: The records this run added to the thread's ``route_log``: its
+            inferences, and memory jobs of earlier turns folded in at its plan.
+        totals: ``pricing.chain_totals`` of ``route_log`` as plain data:
+            ``local``, ``cloud`` and ``total`` legs and ``by_provider``.
+        cloud_share: ``CloudShare.as_dict`` of ``route_log``.
+        turn: Index of the turn in its thread.
+        truncated: The answer stopped at ``max_tokens`` (``finish_reason == "length"``).
+    """
+
+    answer: str | None
+    thread_id: str
+    route_log: list[RouteRecord]
+    totals: dict[str, Any]
+    cloud_share: dict[str, Any]
+    turn: int
+    truncated: bool
+
+    def as_json(self) -> str:
+        """The result as one JSON object (what ``run --json`` prints)."""
+        return json.dumps(asdict(self), default=str)
 
 
-async def _run(request: RunRequest, console: Console) -> None:
+def totals_of(records: list[RouteRecord]) -> dict[str, Any]:
+    """``chain_totals`` of ``records`` as plain data."""
+    from fusion_graph.providers.pricing import chain_totals
 
-    context, settings, db, postgres, thread = (
-        request.context,
-        request.settings,
-        request.db,
-        request.postgres,
-        request.thread,
-    )
-    models = await MODELS(context, settings)
-    with storage("--postgres" if postgres else f"--db {db}"):
-        await _turn(request, models, console)
-    where = "Postgres" if postgres else str(db)
-    console.print(f"thread [bold]{thread}[/] saved in {where}; continue it with --thread {thread}")
+    totals = chain_totals(records)
+    return {
+        "local": asdict(totals.local),
+        "cloud": asdict(totals.cloud),
+        "total": asdict(totals.total),
+        "by_provider": {name: asdict(leg) for name, leg in totals.by_provider.items()},
+    }
 
 
-async def _turn(request: RunRequest, models: Any, console: Console) -> None:
-    from fusion_graph.graph import build_graph
+def stream_events(mode: str, chunk: Any) -> list[dict[str, Any]]:
+    """The live view's events in one ``astream`` chunk (see ``cli.live``)."""
+    from langchain_core.messages import AIMessage
 
-    context, settings, thread = request.context, request.settings, request.thread
-    async with open_saver(request.db, request.postgres) as saver:
-        if models is None:
-            graph = build_graph(checkpointer=saver, settings=settings)
-        else:
-            graph = build_graph(
-                cloud_model=models[0], local_model=models[1], checkpointer=saver, settings=settings
+    from fusion_graph.cli.live import ANSWER_EVENT, ROUTE_EVENT, TOKENS_EVENT
+
+    if mode == "custom":
+        return [dict(chunk)] if isinstance(chunk, Mapping) and chunk.get("event") == ROUTE_EVENT else []
+    if mode == "messages":
+        meta = chunk[1] if isinstance(chunk, tuple) and len(chunk) == 2 else {}
+        if not isinstance(meta, Mapping) or meta.get("fusion_step") is None:
+            return []
+        return [{"event": TOKENS_EVENT, "step": meta["fusion_step"], "kind": meta.get("fusion_kind")}]
+    events = []
+    for update in chunk.values() if mode == "updates" and isinstance(chunk, Mapping) else ():
+        if not isinstance(update, Mapping):
+            continue
+        records = [r for r in update.get("route_log") or () if r["kind"] != "memory"]
+        answers = [m for m in update.get("messages") or () if isinstance(m, AIMessage)]
+        if records and answers:
+            record, answer = records[-1], answers[-1]
+            events.append(
+                {
+                    "event": ANSWER_EVENT,
+                    "turn": record["turn"],
+                    "step": record["step"],
+                    "kind": record["kind"],
+                    "tools": [call["name"] for call in [*answer.tool_calls, *answer.invalid_tool_calls]],
+                    "finish_reason": answer.response_metadata.get("finish_reason"),
+                }
             )
-        config: RunnableConfig = {"configurable": {"thread_id": thread}}
+    return events
+
+
+async def run_task(
+    task: str,
+    *,
+    context: FusionContext | None = None,
+    settings: FusionSettings | None = None,
+    thread_id: str | None = None,
+    new_thread: bool = False,
+    db: Path = DEFAULT_DB,
+    postgres: str | None = None,
+    models: tuple[BaseChatModel, BaseChatModel] | None = None,
+    on_event: Callable[[Mapping[str, Any]], None] | None = None,
+    stream_tokens: bool = False,
+    on_turn_end: Callable[[RunResult], None] | None = None,
+    memory_wait_s: float | None = None,
+) -> RunResult:
+    """Run one turn of ``task`` on a persisted thread, with memory jobs, and return what it did.
+
+    Args:
+        task: The turn's user message.
+        context: The run context; ``None``: ``FusionContext()`` (``FUSION_*`` defaults).
+        settings: The operator's settings; ``None``: ``FusionSettings()``, with the cloud
+            key from ``./.env`` if only there (``with_dotenv_key``).
+        thread_id: The thread to continue; ``None`` starts a new one with a fresh id.
+        new_thread: Allow ``thread_id`` to name a thread with no checkpoint yet (starts it).
+        db: SQLite checkpoint file; the memory store is ``store_path(db)`` beside it.
+        postgres: A ``postgresql://`` URL to keep checkpoints and store in instead.
+        models: ``(cloud, local)`` chat models; ``None`` builds them from ``settings``.
+        on_event: Called with each ``fusion_route`` event of the graph, each
+            ``fusion_answer`` (the tools an answer called, its finish reason) and, with
+            ``stream_tokens``, each streamed chunk (``fusion_tokens``): ``cli.live.StepTable.apply``.
+        stream_tokens: Also stream the models' tokens (``stream_mode="messages"``; the
+            models then answer by streaming).
+        on_turn_end: Called with the result when the turn ends, before memory jobs are awaited.
+        memory_wait_s: Seconds to wait for the turn's background memory jobs before
+            returning; ``None``: ``settings.memory_timeout_s`` + 5. A job still running
+            then is finished at the thread's next turn.
+
+    Returns:
+        The turn's ``RunResult``.
+
+    Raises:
+        RunError: ``thread_id`` has no checkpoint and ``new_thread`` is false, or ``postgres``
+            is not usable.
+        ProviderConfigError, ContextError, LlamaServerUnavailable, InvalidInput: The graph
+            cannot run as configured (nothing is saved).
+        ChainExhausted, ProviderRequestError: A model call failed; the thread is saved.
+    """
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from fusion_graph.cli.stores import has_checkpoint, open_saver, open_store
+    from fusion_graph.context import ensure_context
+    from fusion_graph.graph import build_graph
+    from fusion_graph.memory import drain
+    from fusion_graph.providers.resolver import ProviderResolver
+
+    context = ensure_context(context)
+    if settings is None:
+        from fusion_graph.settings import FusionSettings
+
+        settings = with_dotenv_key(FusionSettings())
+    thread = thread_id or uuid.uuid4().hex[:12]
+    config: Any = {"configurable": {"thread_id": thread}}
+    modes = ["values"] if on_event is None else ["custom", "updates", "values"]
+    if on_event is not None and stream_tokens:
+        modes.append("messages")
+    cloud, local = models if models is not None else (None, None)
+    async with open_saver(db, postgres) as saver, open_store(db, postgres) as store:
+        if thread_id is not None and not new_thread and not await has_checkpoint(saver, thread):
+            where = "--postgres" if postgres else f"--db {db}"
+            raise RunError(f"thread {thread!r} has no checkpoint in {where}; use --new-thread to start it")
+        resolver = ProviderResolver(cloud=cloud, local=local, settings=settings)
         try:
-            await run_turn(graph, request.task, config=config, context=context, console=console)
-        except (ProviderConfigError, ContextError, LlamaServerUnavailable, InvalidInput) as error:
-            raise fail(str(error)) from None
-        except (ChainExhausted, ProviderRequestError) as error:
-            raise fail(f"{error}\n(the thread is saved: continue it with --thread {thread})") from None
+            graph = build_graph(resolver=resolver, checkpointer=saver, store=store)
+            before = len((await graph.aget_state(config)).values.get("route_log", []))
+            values: dict[str, Any] = {}
+            async for mode, chunk in graph.astream(
+                {"messages": [HumanMessage(task)]}, config, context=context, stream_mode=modes
+            ):
+                if mode == "values" and isinstance(chunk, dict):
+                    values = chunk
+                elif on_event is not None:
+                    for event in stream_events(mode, chunk):
+                        on_event(event)
+            records: list[RouteRecord] = list(values.get("route_log", []))[before:]
+            answer = next((m for m in reversed(values.get("messages", [])) if isinstance(m, AIMessage)), None)
+            result = RunResult(
+                answer=answer.text if answer is not None else None,
+                thread_id=thread,
+                route_log=records,
+                totals=totals_of(records),
+                cloud_share=CloudShare.of(records).as_dict(),
+                turn=int(values.get("turn", 0)),
+                truncated=answer is not None and answer.response_metadata.get("finish_reason") == "length",
+            )
+            if on_turn_end is not None:
+                on_turn_end(result)
+            # Background memory jobs use the store and the providers: finish them before closing either.
+            await drain(timeout=settings.memory_timeout_s + 5 if memory_wait_s is None else memory_wait_s)
+        finally:
+            await resolver.aclose()
+    return result
+
+
+# -- the command ----------------------------------------------------------------------
+
+
+async def _run(
+    task: str, context: FusionContext, settings: FusionSettings, options: dict[str, Any], as_json: bool
+) -> RunResult:
+    details = bool(options.pop("details", False))
+    models = await MODELS(context, settings)
+    if as_json:
+        return await run_task(task, context=context, settings=settings, models=models, **options)
+    from rich.live import Live
+
+    from fusion_graph.cli.live import StepTable, print_result
+
+    console = stdout_console()
+    steps = StepTable(details=details)
+    notes = stderr_console()
+    waiting = notes.status("waiting for memory jobs…")
+    live = Live(steps.render(), console=console, refresh_per_second=8)
+
+    def turn_end(result: RunResult) -> None:
+        live.stop()
+        print_result(console, result)
+        waiting.start()
+
+    with live:
+        try:
+            return await run_task(
+                task,
+                context=context,
+                settings=settings,
+                models=models,
+                on_event=steps.apply,
+                stream_tokens=console.is_terminal,
+                on_turn_end=turn_end,
+                **options,
+            )
+        finally:
+            waiting.stop()
 
 
 def run(
@@ -323,31 +300,61 @@ def run(
     workspace: Annotated[
         Path, typer.Option(help="Directory the file tools may read and edit (workspace_root).")
     ] = Path("."),
-    thread: Annotated[str | None, typer.Option(help="Thread id to continue; default: a new thread.")] = None,
-    db: Annotated[Path, typer.Option(help="SQLite file the threads persist in.")] = DEFAULT_DB,
+    thread: Annotated[
+        str | None, typer.Option(help="Thread id to continue (it must exist); default: a new thread.")
+    ] = None,
+    new_thread: Annotated[
+        bool, typer.Option("--new-thread", help="Start the --thread id given when it has no checkpoint yet.")
+    ] = False,
+    db: Annotated[Path, typer.Option(help="SQLite file the threads persist in (memories beside it).")] = (
+        DEFAULT_DB
+    ),
     postgres: Annotated[
-        str | None, typer.Option(help="Postgres URL to persist threads in instead of SQLite.")
+        str | None, typer.Option(help="Postgres URL to persist threads and memories in instead of SQLite.")
     ] = None,
     context: Annotated[
         str | None, typer.Option(help="FusionContext fields as a JSON object (or a JSON file).")
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print one JSON object (answer, thread_id, route_log, totals), no table."
+        ),
+    ] = False,
+    details: Annotated[bool, typer.Option("--details", help="Show every step's routing reason.")] = False,
 ) -> None:
     """Run one turn with the workspace tools against the configured cloud and llama-server.
 
     Endpoints, keys and prices are the operator's FUSION_* settings (cloud key
-    from the variable named by FUSION_CLOUD_API_KEY_ENV, default OPENAI_API_KEY;
-    llama-server at FUSION_LOCAL_BASE_URL). A missing key or an unreachable
-    llama-server fails at once. --context holds run choices (cloud_share, a
-    calibrated score_quantiles table, limits).
+    from the variable named by FUSION_CLOUD_API_KEY_ENV, default OPENAI_API_KEY,
+    in the environment or ./.env; llama-server at FUSION_LOCAL_BASE_URL). A
+    missing key or an unreachable llama-server fails at once. --context holds
+    run choices (cloud_share, a calibrated score_quantiles table, limits).
+    Memory jobs run after the reply and are awaited before the command exits.
     """
+    from fusion_graph.nodes.inference import InvalidInput
+    from fusion_graph.providers.chain import ChainExhausted, ProviderRequestError
+    from fusion_graph.providers.llama_server import LlamaServerUnavailable
+    from fusion_graph.providers.models import ProviderConfigError
+    from fusion_graph.settings import ContextError
+
     if not workspace.is_dir():
         raise fail(f"--workspace {workspace} is not a directory")
-    request = RunRequest(
-        task=task,
-        context=build_context(context),
-        settings=build_settings(workspace_root=str(workspace.resolve())),
-        thread=thread or uuid.uuid4().hex[:12],
-        db=db,
-        postgres=postgres,
-    )
-    asyncio.run(_run(request, stdout_console()))
+    run_context = build_context(context)
+    settings = with_dotenv_key(build_settings(workspace_root=str(workspace.resolve())))
+    name = thread or uuid.uuid4().hex[:12]
+    options = {"thread_id": name, "new_thread": new_thread or thread is None, "db": db, "postgres": postgres}
+    where = "Postgres" if postgres else str(db)
+    try:
+        with storage("--postgres" if postgres else f"--db {db}"):
+            result = asyncio.run(_run(task, run_context, settings, {**options, "details": details}, as_json))
+    except RunError as error:
+        raise fail(str(error)) from None
+    except (ProviderConfigError, ContextError, LlamaServerUnavailable, InvalidInput) as error:
+        raise fail(str(error)) from None
+    except (ChainExhausted, ProviderRequestError) as error:
+        raise fail(f"{error}\n(the thread is saved: continue it with --thread {name})") from None
+    if as_json:
+        typer.echo(result.as_json())
+        return
+    stdout_console().print(f"thread [bold]{name}[/] saved in {where}; continue it with --thread {name}")

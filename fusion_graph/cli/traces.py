@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -23,16 +23,22 @@ from fusion_graph.cli.common import (
     run_prices,
     stdout_console,
 )
-from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.replay.calibration import CALIBRATED_PACE_SLACK, CalibrationError, calibrate, scored_steps
-from fusion_graph.replay.traces import (
-    RecordedTrajectory,
-    ReplayedTrajectory,
-    families,
-    replay_trajectory,
-    summarize,
-)
-from fusion_graph.settings import ContextError
+
+if TYPE_CHECKING:
+    from fusion_graph.context import FusionContext
+    from fusion_graph.replay.calibration import (
+        Calibration,
+        ScoredStep,
+        TargetOf,
+    )
+    from fusion_graph.replay.traces import (
+        RecordedTrajectory,
+        ReplayedTrajectory,
+        StepPrices,
+    )
+
+#: The calibrated dial's default pace (``replay.calibration.CALIBRATED_PACE_SLACK``; a test keeps them equal).
+CALIBRATED_PACE_SLACK = 0.5
 
 TracesArg = Annotated[
     list[Path],
@@ -49,6 +55,8 @@ def replay_with_progress(
     trajectories: Sequence[RecordedTrajectory], context: FusionContext, *, label: str = "replaying"
 ) -> list[ReplayedTrajectory]:
     """Replay every trajectory, with a progress bar on stderr."""
+    from fusion_graph.replay.traces import replay_trajectory
+
     replays = []
     with progress() as bar:
         task = bar.add_task(label, total=len(trajectories))
@@ -62,25 +70,60 @@ def _money(value: float | None) -> str:
     return "unknown" if value is None else f"${value:.4f}"
 
 
-def summary_table(title: str, rows: dict[str, dict[str, Any]]) -> Table:
-    """One row per trace family (and the total) of ``summarize`` results."""
+def _share(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2f}"
+
+
+def summary_table(title: str, rows: dict[str, dict[str, Any]], *, paced: bool = False) -> Table:
+    """One row per trace family (and the total) of ``summarize`` results.
+
+    Both shares side by side: of all steps (plans included) and of continuation
+    steps; ``paced`` adds the count of steps the paced dial forced.
+    """
     table = Table(title=title)
     table.add_column("traces", overflow="fold", min_width=12)
-    for name in ("runs", "steps", "cloud", "cont.", "cont. cloud", "switches", "cost", "all-cloud"):
+    names = ["runs", "steps", "plans", "cont.", "cloud\nall", "cloud\ncont."]
+    names += ["paced"] if paced else []
+    names += ["switches", "cost", "all-cloud"]
+    for name in names:
         table.add_column(name, justify="right", no_wrap=True)
     for name, row in rows.items():
-        table.add_row(
+        cells = [
             name,
             str(len(row["trajectories"])),
             str(row["steps"]),
-            f"{row['cloud_fraction']:.2f}",
+            str(row["plan_steps"]),
             str(row["continuation_steps"]),
+            f"{row['cloud_fraction']:.2f}",
             f"{row['continuation_cloud_fraction']:.2f}",
-            str(row["switches"]),
-            _money(row["cost_usd"]),
-            _money(row["all_cloud_cost_usd"]),
-        )
+        ]
+        cells += [str(row["paced_steps"])] if paced else []
+        cells += [str(row["switches"]), _money(row["cost_usd"]), _money(row["all_cloud_cost_usd"])]
+        table.add_row(*cells)
     return table
+
+
+def dial_words(context: FusionContext) -> str:
+    """The dial of a run context, for a title."""
+    dial = "calibrated table" if context.score_quantiles is not None else "design rule"
+    if context.pace_slack is not None:
+        dial += f", paced within {context.pace_slack:g} steps"
+    return f"cloud_share={context.cloud_share}, hysteresis={context.hysteresis} ({dial})"
+
+
+def share_sentence(result: dict[str, Any]) -> str:
+    """Both shares of a ``summarize`` result, and its cost against all-cloud, in one line."""
+    cost = (
+        f"cost {_money(result['cost_usd'])} = {result['cost_fraction']:.2f} of all-cloud"
+        if result["cost_fraction"] is not None
+        else "cost unknown (no price for the cloud model; set FUSION_PRICE_OVERRIDES)"
+    )
+    return (
+        f"on cloud: {result['cloud_fraction']:.2f} of all steps ({result['cloud_steps']} of "
+        f"{result['steps']}), {result['continuation_cloud_fraction']:.2f} of continuation steps "
+        f"({result['continuation_cloud_steps']} of {result['continuation_steps']}, the steps after "
+        f"each turn's plan); {cost}"
+    )
 
 
 def replay(
@@ -90,29 +133,38 @@ def replay(
     as_json: JsonOpt = False,
     plot: Annotated[
         Path | None,
-        typer.Option(help="Write per-trajectory timelines (score vs the T ± h band) to this PNG."),
+        typer.Option(
+            help="Write a PNG: timelines (score vs the T ± h band) of up to 16 trajectories in a grid, "
+            "or for more a summary (share by cloud_share, score histogram)."
+        ),
     ] = None,
-    plot_limit: Annotated[int, typer.Option(help="Trajectories drawn by --plot.")] = 8,
+    plot_limit: Annotated[
+        int, typer.Option(help="Trajectories drawn by --plot (more than 16: a summary figure).", min=1)
+    ] = 8,
 ) -> None:
     """Route every step of recorded trajectories with the graph's own routing (no model calls).
 
-    Token counts are estimates (the graph's own estimator): a step's
-    prompt is what it would send, its completion the recorded assistant
-    message. cost_usd prices cloud steps at the cloud model's prices (the
-    operator's FUSION_PRICE_OVERRIDES or the genai-prices catalogue) and local
-    steps at FUSION_LOCAL_PRICE_PER_MTOK, with no cached input;
+    Shows the share of all steps on cloud beside the share of continuation
+    steps (after each turn's plan): plans run on cloud whenever cloud_share > 0,
+    so the first sits above the second. Token counts are estimates (the graph's
+    own estimator): a step's prompt is what it would send, its completion the
+    recorded assistant message. cost_usd prices cloud steps at the cloud model's
+    prices (the operator's FUSION_PRICE_OVERRIDES or the genai-prices catalogue)
+    and local steps at FUSION_LOCAL_PRICE_PER_MTOK, with no cached input;
     all_cloud_cost_usd prices every step on cloud.
     """
+    from fusion_graph.replay.traces import families, summarize
+
     run_context = build_context(context, cloud_share=cloud_share)
     trajectories = load_or_fail(traces)
     replays = replay_with_progress(trajectories, run_context)
     prices = run_prices(run_context, build_settings())
     result = summarize(replays, prices)
     if plot is not None:
-        from fusion_graph.replay.plot import PlotUnavailable, timelines
+        from fusion_graph.replay.plot import MAX_TIMELINES, PlotUnavailable, replay_figure
 
         try:
-            timelines(replays, run_context, limit=plot_limit, path=plot)
+            replay_figure(replays, run_context, limit=plot_limit, path=plot)
         except PlotUnavailable as error:
             raise fail(str(error)) from error
     if as_json:
@@ -124,21 +176,94 @@ def replay(
     }
     if len(by_family) > 1:
         by_family["all"] = result
-    dial = "calibrated table" if run_context.score_quantiles is not None else "design rule"
-    if run_context.pace_slack is not None:
-        dial += f", paced within {run_context.pace_slack:g} steps"
-    title = f"replay at cloud_share={run_context.cloud_share}, hysteresis={run_context.hysteresis} ({dial})"
     console = stdout_console()
-    console.print(summary_table(title, by_family))
+    title = f"replay at {dial_words(run_context)}"
+    console.print(summary_table(title, by_family, paced=run_context.pace_slack is not None))
+    console.print(share_sentence(result), highlight=False, soft_wrap=True)
+    console.print(f"note: {result['note']}", highlight=False, soft_wrap=True)
     if plot is not None:
-        console.print(f"timelines written to {plot}")
+        shown = min(plot_limit, len(replays))
+        what = "timelines" if shown <= MAX_TIMELINES else f"summary of {shown} trajectories"
+        console.print(f"{what} written to {plot}", highlight=False)
+
+
+#: Targets ``calibrate --plot`` draws, beside the requested one.
+PLOT_TARGETS = tuple(round(0.05 * k, 2) for k in range(1, 20))
+OfOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--of",
+        help="What --target-cloud-fraction is a fraction of: 'continuation' steps (after each "
+        "turn's plan; the default) or 'all' steps (plans included).",
+    ),
+]
+
+
+def _target(cloud: float | None, cost: float | None, of: str | None) -> tuple[float, TargetOf]:
+    """The target and its kind from the three options, or a usage error."""
+    if cost is not None and cloud is None:
+        if of is not None:
+            raise fail(
+                "--of applies to --target-cloud-fraction; --target-cost-fraction is a fraction of cost"
+            )
+        return cost, "cost"
+    if cloud is None or cost is not None:
+        raise fail(
+            "give one target: --target-cloud-fraction F [--of all|continuation], or --target-cost-fraction F"
+        )
+    if of not in (None, "all", "continuation"):
+        raise fail(f"--of must be 'all' or 'continuation', got {of!r}")
+    return cloud, "all" if of == "all" else "continuation"
+
+
+def _priced(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> list[list[ScoredStep]]:
+    from fusion_graph.replay.calibration import scored_steps
+    from fusion_graph.replay.traces import step_costs
+
+    return [scored_steps(r.steps, step_costs(r, prices)) for r in replays]
+
+
+def calibration_output(
+    found: Calibration, checked: dict[str, Any], calibrated: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``calibrate --json`` object: the target, both shares, cost and the context."""
+    achieved = {
+        "continuation": checked["continuation_cloud_fraction"],
+        "all": checked["cloud_fraction"],
+        "cost": checked["cost_fraction"],
+    }[found.of]
+    return {
+        "target": found.target,
+        "of": found.of,
+        "achieved": achieved,
+        "cloud_fraction": checked["cloud_fraction"],
+        "continuation_cloud_fraction": checked["continuation_cloud_fraction"],
+        "cost_fraction": checked["cost_fraction"],
+        "steps": checked["steps"],
+        "plan_steps": checked["plan_steps"],
+        "continuation_steps": checked["continuation_steps"],
+        "note": checked["note"],
+        "context": calibrated,
+    }
 
 
 def calibrate_command(
     traces: TracesArg,
     target_cloud_fraction: Annotated[
-        float, typer.Option(help="Wanted fraction (0-1) of continuation steps on cloud.")
-    ],
+        float | None,
+        typer.Option(
+            help="Wanted fraction (0-1) of steps on cloud: of continuation steps (after each turn's "
+            "plan), or of all steps with --of all."
+        ),
+    ] = None,
+    of: OfOpt = None,
+    target_cost_fraction: Annotated[
+        float | None,
+        typer.Option(
+            help="Instead: wanted cost as a fraction (0-1) of running every step on cloud "
+            "(the replay's cost_usd / all_cloud_cost_usd)."
+        ),
+    ] = None,
     context: ContextOpt = None,
     as_json: JsonOpt = False,
     save: Annotated[
@@ -153,17 +278,34 @@ def calibrate_command(
             min=0,
         ),
     ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a PNG of target against achieved (continuation steps, all steps, cost) "
+            "for targets 0.05-0.95 and the requested one."
+        ),
+    ] = None,
 ) -> None:
-    """Find the context that sends the target fraction of continuation steps to cloud.
+    """Find the context that sends the target fraction of steps (or of cost) to cloud.
 
     Fits a score_quantiles table (the calibrated dial, for the context's
-    hysteresis and pace) on the traces, sets cloud_share to 100 × the target,
-    and checks the result by replaying the traces with it. The context paces
-    each thread (pace_slack) unless told not to: a table alone holds the share
-    on the traces it was fitted on, not on other conversations. Pass the
-    printed context as the run context (or to replay --context); any other
-    cloud_share then means its own share of continuation steps.
+    hysteresis) on the traces. For a target of continuation steps (the
+    default) cloud_share is 100 × the target; for --of all or a cost target,
+    cloud_share is searched on the traces with the same table and pace. Plans
+    (step 0 of each turn) run on cloud whenever cloud_share > 0, so the share of
+    all steps, and cost, cannot go below what the plans alone give: such a
+    target fails with the numbers. The result is checked by replaying the
+    traces with it; both shares are shown. The context paces each thread
+    (pace_slack) unless told not to: a table alone holds the share on the
+    traces it was fitted on, not on other conversations. Pass the printed
+    context as the run context (or to replay --context).
     """
+    from fusion_graph.context import ensure_context
+    from fusion_graph.replay.calibration import CalibrationError, calibrate_many
+    from fusion_graph.replay.traces import summarize
+    from fusion_graph.settings import ContextError
+
+    target, kind = _target(target_cloud_fraction, target_cost_fraction, of)
     given = context_dict(context)
     if pace_slack is None:
         pace_slack = given.get("pace_slack", CALIBRATED_PACE_SLACK)
@@ -172,15 +314,33 @@ def calibrate_command(
     except ContextError as error:
         raise fail(f"{error} (--pace-slack 0 calibrates the table alone)") from error
     trajectories = load_or_fail(traces)
+    prices = run_prices(base, build_settings())
     replays = replay_with_progress(trajectories, base, label="scoring")
+    scored = _priced(replays, prices)
+    targets = [target, *(PLOT_TARGETS if plot is not None else ())]
     try:
-        found = calibrate([scored_steps(r.steps) for r in replays], target_cloud_fraction, base)
+        found, *curve = calibrate_many(scored, targets, base, of=kind)
     except CalibrationError as error:
         raise fail(str(error)) from error
-    checked = summarize(
-        replay_with_progress(trajectories, found.context, label="checking"),
-        run_prices(base, build_settings()),
-    )
+    if plot is not None:
+        from fusion_graph.replay.plot import PlotUnavailable, calibration_curve
+
+        try:
+            calibration_curve(
+                {"calibrated": [(c.target, c.shares) for c in curve if c.shares is not None]},
+                of=kind,
+                requested=found,
+                title=f"calibrated on {len(trajectories)} trajectories: hysteresis={base.hysteresis}, "
+                + ("no pace" if base.pace_slack is None else f"pace_slack={base.pace_slack:g}"),
+                path=plot,
+            )
+        except PlotUnavailable as error:
+            raise fail(str(error)) from error
+    missed = found.unreachable()
+    if missed is not None:
+        hint = " (--of continuation targets the steps the dial decides)" if kind == "all" else ""
+        raise fail(missed + hint)
+    checked = summarize(replay_with_progress(trajectories, found.context, label="checking"), prices)
     calibrated = {
         **given,
         "mode": "fusion",
@@ -189,27 +349,32 @@ def calibrate_command(
         "score_quantiles": list(found.context.score_quantiles or ()),
         "pace_slack": found.context.pace_slack,
     }
-    output = {
-        "target": target_cloud_fraction,
-        "achieved": checked["continuation_cloud_fraction"],
-        "continuation_steps": checked["continuation_steps"],
-        "context": calibrated,
-    }
+    output = calibration_output(found, checked, calibrated)
     if save is not None:
         save.write_text(json.dumps(calibrated, indent=1) + "\n", encoding="utf-8")
     if as_json:
         typer.echo(json.dumps(output))
         return
     console = stdout_console()
-    table = Table(title="calibration")
-    for name in ("traces", "continuation steps", "target", "achieved"):
-        table.add_column(name, justify="right")
+    words = {"continuation": "of continuation steps", "all": "of all steps", "cost": "of all-cloud cost"}
+    table = Table(title=f"calibration: target {target:.3f} {words[kind]}")
+    names = ["traces", "steps", "plans", "cont.", "cloud_share", "achieved", "cloud all", "cloud cont."]
+    for name in [*names, "cost ÷ all-cloud"]:
+        table.add_column(name, justify="right", no_wrap=True)
     table.add_row(
         str(len(trajectories)),
+        str(checked["steps"]),
+        str(checked["plan_steps"]),
         str(checked["continuation_steps"]),
-        f"{target_cloud_fraction:.3f}",
+        str(found.context.cloud_share),
+        f"{output['achieved']:.3f}" if output["achieved"] is not None else "unknown",
+        f"{checked['cloud_fraction']:.3f}",
         f"{checked['continuation_cloud_fraction']:.3f}",
+        _share(checked["cost_fraction"]),
     )
     console.print(table)
+    console.print(f"note: {checked['note']}", highlight=False, soft_wrap=True)
+    if plot is not None:
+        console.print(f"calibration curve written to {plot}", highlight=False)
     console.print("run context (pass as --context, or context= when embedding the graph):")
     typer.echo(json.dumps(calibrated))

@@ -24,7 +24,14 @@ from fusion_graph.nodes.dispatch import sends
 from fusion_graph.providers.sizes import Sizer
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import State
-from fusion_graph.turn import continuation_route, last_batch, next_step, pending_calls, to_pending
+from fusion_graph.turn import (
+    continuation_route,
+    last_batch,
+    next_step,
+    pending_calls,
+    step_tally,
+    to_pending,
+)
 
 #: Every node ``route`` can send the turn to.
 Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
@@ -35,6 +42,8 @@ def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
     batch = last_batch(state["messages"])
     if batch is None or not batch.tool_calls:
         return False
+    if not any(call["name"] in tools and tools[call["name"]].return_direct for call in batch.tool_calls):
+        return False  # what ran cannot all be return_direct: no need to look for the results
     ran = {m.tool_call_id for m in state["messages"] if isinstance(m, ToolMessage) and m.status != "error"}
     names = [call["name"] for call in batch.tool_calls if call["id"] in ran]
     return bool(names) and all(name in tools and tools[name].return_direct for name in names)
@@ -79,7 +88,9 @@ class RouteNode:
             budget=sizes.budget,
             tools=list(self.tools.values()),
         )
-        update = {"route": to_pending(step, decision, signals, sizes.estimates)}
+        update: dict[str, Any] = {"route": to_pending(step, decision, signals, sizes.estimates)}
+        if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
+            update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))
         every = context.memory_every_k_steps
         if every and step % every == 0 and self.memory_on(runtime):
             return Command(update=update, goto=[decision.leg, "memory"])  # beside the next step

@@ -172,11 +172,15 @@ async def _ask(
     config: RunnableConfig,
     link: ChainLink,
     timeout_s: float | None,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> Any:
-    """One model call within ``timeout_s``; a response the model cannot parse is a ``MalformedAnswer``."""
+    """One model call within ``timeout_s``; a response the model cannot parse is a ``MalformedAnswer``.
+
+    ``kwargs`` go to the model's ``ainvoke``, as ``model.bind(**kwargs)`` would send them.
+    """
     try:
         async with asyncio.timeout(timeout_s):
-            return await model.ainvoke(prompt, config=config)
+            return await model.ainvoke(prompt, config=config, **(kwargs or {}))
     except TimeoutError as error:
         raise TimeoutError(f"{link.id} gave no answer within request_timeout={timeout_s:g} s") from error
     except (IndexError, ValidationError) as error:
@@ -228,11 +232,10 @@ async def infer(
             kwargs["extra_body"] = {**own, **body} if isinstance(own, dict) else body
         if link.id in bounds.max_tokens:
             kwargs["max_tokens"] = bounds.max_tokens[link.id]
-        if kwargs:
-            model = model.bind(**kwargs)
         slots[link.id] = slot if body is not None else None
         config = merge_configs(get_config(), _call_config(call.kind, decision, call.step, link))
-        answer = await _ask(model, prompt, config, link, bounds.timeout_s)
+        # The call's arguments go with the call: a binding per call would only copy the config again.
+        answer = await _ask(model, prompt, config, link, bounds.timeout_s, kwargs)
         return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
 
     walk = _Walk(bounds)

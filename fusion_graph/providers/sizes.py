@@ -193,33 +193,41 @@ class Sizer:
             ContextError: An explicit ``conversation_max_tokens`` is larger than the local window holds.
         """
         # mode=cloud never routes to local: its server is not asked (it may not even run).
-        asked = [link for link in chain.links if not (context.mode == "cloud" and link.leg == "local")]
+        links = chain.links
+        asked = [link for link in links if not (context.mode == "cloud" and link.leg == "local")]
         windows = {link.id: await self.resolver.window(link) for link in asked}
         key = self.key(context.system_prompt)
         estimates: dict[str, Estimate] = {}
-        for link in chain.links:
+        unanchored: Estimate | None = None  # the same for every leg without an anchor
+        for link in links:
             if link.leg in estimates:
                 continue
             given = (known or {}).get(link.leg)
             if given is not None:
                 estimates[link.leg] = given
                 continue
-            estimate = leg_estimate(
-                messages,
-                system_prompt=context.system_prompt,
-                tools=self.tools,
-                anchor=anchors.get(link.leg),
-                key=key,
-                count_tokens=self.count_tokens,
-            )
+            anchor = anchors.get(link.leg)
+            if anchor is None and unanchored is not None:
+                estimate = unanchored
+            else:
+                estimate = leg_estimate(
+                    messages,
+                    system_prompt=context.system_prompt,
+                    tools=self.tools,
+                    anchor=anchor,
+                    key=key,
+                    count_tokens=self.count_tokens,
+                )
+                if anchor is None:
+                    unanchored = estimate
             if estimate.basis == "approximate" and link.leg == "local" and context.mode != "cloud":
                 counted = await self._server_count(link, context.system_prompt, messages)
                 if counted is not None:
                     estimate = Estimate(counted, "server")
             estimates[link.leg] = estimate
-        legs = [link.leg for link in chain.links]
+        legs = [link.leg for link in links]
         score_leg: Leg = "local" if "local" in legs else (legs[0] if legs else "local")
-        local = next((link for link in chain.links if link.leg == "local"), None)
+        local = next((link for link in links if link.leg == "local"), None)
         local_window = windows.get(local.id) if local is not None else None
         try:
             budget = conversation_budget(

@@ -3,7 +3,7 @@
 - ``history``: route a recorded conversation exactly as the graph does
 - ``traces``: recorded trajectories (OpenAI chat format): load, replay, summarise
 - ``calibration``: fit the dial on recorded trajectories
-- ``plot``: timelines and calibration curves (needs the ``plot`` extra)
+- ``plot``: timelines, a summary of many trajectories, calibration curves (needs the ``plot`` extra)
 """
 
 from fusion_graph.replay.history import ReplayedStep, route_history

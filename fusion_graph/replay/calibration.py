@@ -26,6 +26,15 @@ the bar, so such a fit would be free to drop every bar to 0 and leave the
 score no say. ``calibrate`` recommends a pace (``CALIBRATED_PACE_SLACK``);
 bench/calibration.py measures both on unseen halves.
 
+Targets. ``cloud_share`` (and a target) counts continuation steps, but the plan
+(step 0 of each turn) runs on cloud whenever ``cloud_share > 0``, so the share of
+*all* steps sits above it: on the shared traces about half the steps are plans.
+``calibrate`` can also aim at the share of all steps (``of="all"``) or at cost as a
+fraction of the all-cloud cost (``of="cost"``): it then searches ``cloud_share``
+with the same table and pace (``calibrate_many``). Neither can go below what the
+plans alone give, except at ``cloud_share`` 0 (nothing on cloud); ``Calibration.unreachable``
+says so when a target falls in that gap.
+
 Everything here is a pure function over scores. Scores come from
 ``replay.route_history`` (the graph's own signals and score), and they do not
 depend on the dial, so a trajectory is replayed once and then re-routed under
@@ -39,6 +48,7 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from langchain_core.messages import BaseMessage
 
@@ -62,6 +72,13 @@ GRID_MAX = 100 * GRID
 #: count within half a step of its share. Chosen before measuring, as the tightest pace whole
 #: steps allow; on unseen halves of the shared traces it is what meets the goal (bench/calibration.py).
 CALIBRATED_PACE_SLACK = 0.5
+#: How far a target of all steps or of cost may be missed before ``Calibration.unreachable`` says
+#: why (plans alone put a floor under both; see the module note on targets).
+TARGET_TOLERANCE = 0.05
+
+TargetOf = Literal["continuation", "all", "cost"]
+"""What a target is a fraction of: continuation steps on cloud, all steps on cloud, or cost."""
+TARGET_KINDS: tuple[TargetOf, ...] = ("continuation", "all", "cost")
 
 
 class CalibrationError(ValueError):
@@ -70,22 +87,41 @@ class CalibrationError(ValueError):
 
 @dataclass(frozen=True)
 class ScoredStep:
-    """One replayed step: its index in the turn (0 is the plan) and its score."""
+    """One replayed step: its index in the turn (0 is the plan) and its score.
+
+    The two costs (USD) price the step on each leg, for cost targets
+    (``traces.step_costs``); routing never reads them. ``cloud_cost`` is ``None``
+    when the cloud model's price is unknown.
+    """
 
     step: int
     score: StepScore
+    cloud_cost: float | None = None
+    local_cost: float = 0.0
 
 
 Trace = Sequence[ScoredStep]
 
 
-def scored_steps(replayed: Iterable[ReplayedStep]) -> list[ScoredStep]:
-    """The steps of a ``route_history`` result, reduced to what routing reads."""
+def scored_steps(
+    replayed: Iterable[ReplayedStep], costs: Sequence[tuple[float | None, float]] | None = None
+) -> list[ScoredStep]:
+    """The steps of a ``route_history`` result, reduced to what routing reads.
+
+    Args:
+        replayed: The steps of one ``route_history`` result.
+        costs: Each step's ``(cloud, local)`` cost in USD (``traces.step_costs``);
+            ``None`` leaves the steps unpriced.
+    """
     steps = []
-    for item in replayed:
+    items = list(replayed)
+    if costs is not None and len(costs) != len(items):
+        raise CalibrationError(f"{len(costs)} step costs for {len(items)} steps")
+    for index, item in enumerate(items):
         if item.decision.score is None:  # route_history scores every step; guard for the type
             raise CalibrationError(f"step at position {item.position} has no score")
-        steps.append(ScoredStep(item.step, item.decision.score))
+        cloud_cost, local_cost = (None, 0.0) if costs is None else costs[index]
+        steps.append(ScoredStep(item.step, item.decision.score, cloud_cost, local_cost))
     return steps
 
 
@@ -156,6 +192,74 @@ def share_of(traces: Iterable[Trace], context: FusionContext) -> ShareCount:
         legs = [decision.leg for decision in route_scores(trace, context)]
         total = total + continuation_share([item.step for item in trace], legs)
     return total
+
+
+def _add_cost(total: float | None, value: float | None) -> float | None:
+    return None if total is None or value is None else total + value
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Where one dial sends the steps of a set of trajectories: all of them, the continuations, cost.
+
+    Plans (step 0 of each turn) run on cloud whenever ``cloud_share > 0``, so the
+    share of all steps never drops below ``plans.steps / all.steps`` there;
+    ``continuation`` (the steps after each turn's plan) is what the dial's score decides.
+    """
+
+    all: ShareCount
+    continuation: ShareCount
+    cost: float | None = None
+    """USD of the routed steps (each on its leg's price); ``None`` when a cloud price is unknown."""
+    all_cloud_cost: float | None = None
+    """USD of the same steps, all on cloud."""
+
+    @property
+    def plans(self) -> ShareCount:
+        """The plans (step 0 of each turn) and how many of them went to cloud."""
+        return ShareCount(self.all.steps - self.continuation.steps, self.all.cloud - self.continuation.cloud)
+
+    @property
+    def cost_fraction(self) -> float | None:
+        """``cost`` as a fraction of ``all_cloud_cost`` (``None`` when unknown or nothing to price)."""
+        if self.cost is None or not self.all_cloud_cost:
+            return None
+        return self.cost / self.all_cloud_cost
+
+    def fraction(self, of: TargetOf) -> float | None:
+        """The share ``of`` (a target kind) measures: continuation or all steps on cloud, or cost."""
+        if of == "continuation":
+            return self.continuation.fraction
+        if of == "all":
+            return self.all.fraction
+        return self.cost_fraction
+
+
+def shares_of(traces: Iterable[Trace], context: FusionContext) -> Shares:
+    """All steps, continuation steps and cost of ``traces`` under ``context`` (via ``route_scores``).
+
+    Costs come from each step's ``cloud_cost``/``local_cost``; ``cost`` and
+    ``all_cloud_cost`` are ``None`` when any step's cloud price is unknown.
+    """
+    steps = cloud = continuation = continuation_cloud = 0
+    cost: float | None = 0.0
+    all_cloud: float | None = 0.0
+    for trace in traces:
+        for item, decision in zip(trace, route_scores(trace, context), strict=True):
+            on_cloud = decision.leg == "cloud"
+            steps += 1
+            cloud += on_cloud
+            if item.step > 0:
+                continuation += 1
+                continuation_cloud += on_cloud
+            cost = _add_cost(cost, item.cloud_cost if on_cloud else item.local_cost)
+            all_cloud = _add_cost(all_cloud, item.cloud_cost)
+    return Shares(ShareCount(steps, cloud), ShareCount(continuation, continuation_cloud), cost, all_cloud)
+
+
+def sweep(traces: Sequence[Trace], context: FusionContext) -> list[Shares]:
+    """``shares_of`` at every ``cloud_share`` from 0 to 100 (list index), the rest of ``context`` kept."""
+    return [shares_of(traces, dataclasses.replace(context, cloud_share=share)) for share in range(101)]
 
 
 # -- fitting the table --------------------------------------------------------
@@ -244,12 +348,54 @@ def fit_quantiles(traces: Iterable[Trace], hysteresis: int) -> tuple[float, ...]
 
 @dataclass(frozen=True)
 class Calibration:
-    """What ``calibrate`` found: the context to run with and the share it gives on its own traces."""
+    """What ``calibrate`` found: the context to run with and what it gives on its own traces."""
 
     target: float
     achieved: float
+    """The share ``of`` measures, achieved on the calibration traces (pace included)."""
     context: FusionContext
     continuation_steps: int
+    of: TargetOf = "continuation"
+    shares: Shares | None = None
+    """All steps, continuation steps and cost under ``context`` on the calibration traces."""
+    floor: float | None = None
+    """For ``all``/``cost`` targets: the lowest share any ``cloud_share > 0`` gives (plans run on cloud)."""
+
+    def unreachable(self) -> str | None:
+        """Why an ``all``/``cost`` target was missed by more than ``TARGET_TOLERANCE``, or ``None``.
+
+        A continuation target is never called unreachable: ``cloud_share = 100 × target``
+        is its definition, and ``achieved`` shows how close the traces allow.
+        """
+        if self.of == "continuation" or abs(self.achieved - self.target) <= TARGET_TOLERANCE:
+            return None
+        what = "of all steps on cloud" if self.of == "all" else "of the all-cloud cost"
+        reason = (
+            f"no cloud_share gives {self.target:.2f} {what} on these traces; "
+            f"the closest is cloud_share={self.context.cloud_share} ({self.achieved:.2f})"
+        )
+        if self.shares is not None and self.floor is not None and self.target < self.floor:
+            plans = self.shares.plans.steps
+            reason += (
+                f". Plans (step 0 of each turn) run on cloud whenever cloud_share > 0: {plans} of "
+                f"{self.shares.all.steps} steps, so every cloud_share > 0 gives at least "
+                f"{self.floor:.2f} and cloud_share 0 gives 0"
+            )
+        return reason
+
+
+def check_target(target: float, of: TargetOf = "continuation") -> float:
+    """``target`` if it is a fraction 0-1, else a ``CalibrationError`` naming what it is a fraction of.
+
+    Raises:
+        CalibrationError: ``target`` is outside 0-1, or ``of`` is not a target kind.
+    """
+    if of not in TARGET_KINDS:
+        raise CalibrationError(f"a target is a fraction of one of {', '.join(TARGET_KINDS)}, got {of!r}")
+    if not 0 <= target <= 1 or math.isnan(target):
+        kind = "cost" if of == "cost" else "cloud"
+        raise CalibrationError(f"the target {kind} fraction must be between 0 and 1, got {target}")
+    return target
 
 
 def share_for(target: float) -> int:
@@ -258,25 +404,81 @@ def share_for(target: float) -> int:
     Raises:
         CalibrationError: ``target`` is outside 0-1.
     """
-    if not 0 <= target <= 1 or math.isnan(target):
-        raise CalibrationError(f"the target cloud fraction must be between 0 and 1, got {target}")
-    return round(target * 100)
+    return round(check_target(target) * 100)
 
 
-def calibrate(traces: Sequence[Trace], target: float, context: FusionContext) -> Calibration:
-    """The context that sends ``target`` of ``traces``' continuation steps to cloud.
+def calibrate_many(
+    traces: Sequence[Trace],
+    targets: Sequence[float],
+    context: FusionContext,
+    *,
+    of: TargetOf = "continuation",
+) -> list[Calibration]:
+    """``calibrate`` for each of ``targets``, fitting the table once (for ``calibrate --plot``).
+
+    A continuation target sets ``cloud_share = round(100 × target)`` (the table
+    makes each share mean its own fraction of continuation steps). An ``all`` or
+    ``cost`` target searches ``cloud_share`` 0-100 with the same table and pace,
+    routing the traces with ``route_scores`` (the graph's rule), and keeps the
+    share whose fraction is closest (a tie goes to the lower share: the cheaper side).
+    Plans run on cloud whenever ``cloud_share > 0``, so an ``all``/``cost`` target
+    below what the plans alone give cannot be met; ``Calibration.unreachable`` says so.
+
+    Raises:
+        CalibrationError: A target is outside 0-1, the traces have no continuation
+            step, or a cost target meets a step whose cloud price is unknown.
+    """
+    for target in targets:
+        check_target(target, of)
+    table = fit_quantiles(traces, context.hysteresis)
+    fitted = dataclasses.replace(context, mode="fusion", score_quantiles=table)
+    found: list[Calibration] = []
+    if of == "continuation":
+        cache: dict[int, Shares] = {}
+        for target in targets:
+            share = share_for(target)
+            if share not in cache:
+                cache[share] = shares_of(traces, dataclasses.replace(fitted, cloud_share=share))
+            shares = cache[share]
+            calibrated = dataclasses.replace(fitted, cloud_share=share)
+            found.append(
+                Calibration(
+                    target, shares.continuation.fraction, calibrated, shares.continuation.steps, of, shares
+                )
+            )
+        return found
+    swept = sweep(traces, fitted)
+    if of == "cost" and swept[100].cost_fraction is None:
+        raise CalibrationError(
+            "a cost target needs the cloud model's price: set FUSION_PRICE_OVERRIDES or pick a "
+            "cloud model the price catalogue knows"
+        )
+    values = [shares.fraction(of) or 0.0 for shares in swept]
+    floor = min(values[1:])
+    for target in targets:
+        share = min(range(101), key=lambda s: (abs(values[s] - target), s))
+        shares = swept[share]
+        calibrated = dataclasses.replace(fitted, cloud_share=share)
+        found.append(
+            Calibration(target, values[share], calibrated, shares.continuation.steps, of, shares, floor)
+        )
+    return found
+
+
+def calibrate(
+    traces: Sequence[Trace], target: float, context: FusionContext, *, of: TargetOf = "continuation"
+) -> Calibration:
+    """The context that sends ``target`` of ``traces``' continuation steps (or all steps, or cost) to cloud.
 
     It is ``context`` with a fitted ``score_quantiles`` table (for ``context.hysteresis``)
-    and ``cloud_share = round(100 × target)``; the table makes every other share
-    mean its own fraction too, and ``context.pace_slack`` (kept as given) holds
-    each thread to it. ``achieved`` is measured on ``traces`` themselves, pace included.
+    and, for a continuation target, ``cloud_share = round(100 × target)``; the table makes every
+    other share mean its own fraction too, and ``context.pace_slack`` (kept as given) holds
+    each thread to it. ``of="all"`` or ``"cost"`` searches the ``cloud_share`` whose share of
+    all steps (plans included) or whose cost as a fraction of the all-cloud cost is closest
+    (``calibrate_many``). ``achieved`` is measured on ``traces`` themselves, pace included.
     Target 0 gives ``cloud_share`` 0: nothing on cloud, plans included.
     """
-    share = share_for(target)
-    table = fit_quantiles(traces, context.hysteresis)
-    calibrated = dataclasses.replace(context, mode="fusion", cloud_share=share, score_quantiles=table)
-    count = share_of(traces, calibrated)
-    return Calibration(target, count.fraction, calibrated, count.steps)
+    return calibrate_many(traces, [target], context, of=of)[0]
 
 
 def best_plain_share(traces: Sequence[Trace], target: float, context: FusionContext) -> int:

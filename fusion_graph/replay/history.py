@@ -20,9 +20,9 @@ from fusion_graph.providers.records import make_record
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
-from fusion_graph.state import RouteRecord, State, StepKind
+from fusion_graph.state import RouteRecord, State, StepKind, StepTally
 from fusion_graph.tools.batch import batch_notice
-from fusion_graph.turn import continuation_route, plan_route, turn_start
+from fusion_graph.turn import continuation_route, plan_route, step_tally, turn_start
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ def route_history(
     leg: Leg | None = None
     notice = False
     route_log: list[RouteRecord] = []
+    tally: StepTally | None = None  # the paced dial's running count, kept as the route node keeps it
     turn = -1
     for index, message in enumerate(body):
         if not isinstance(message, AIMessage):
@@ -94,6 +95,8 @@ def route_history(
             "notice": notice,
             "route_log": route_log,
         }
+        if tally is not None:
+            state["step_tally"] = tally
         if step == 0:
             turn += 1
             decision, signals = plan_route(state, context, count_tokens, budget=budget, tools=tools)
@@ -115,6 +118,8 @@ def route_history(
                 answer=None,
             )
         )
+        if context.pace_slack is not None:
+            tally = step_tally(route_log, tally)
         # The batch this answer asks for sets the notice term of the next step.
         notice = batch_notice(
             message,

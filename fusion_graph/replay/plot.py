@@ -1,23 +1,43 @@
-"""Plots of replayed routing: per-trajectory timelines and calibration curves.
+"""Plots of replayed routing: timelines, a summary of many trajectories, calibration curves.
 
 matplotlib is an optional extra (``pip install 'fusion-graph[plot]'``) and is
-imported only when a plot is drawn, with the headless ``Agg`` backend.
+imported only when a plot is drawn. Figures are built without pyplot, so no GUI
+backend is needed and a notebook's own backend is left alone: save them
+(``path=``; PNG through Agg) or let Jupyter's inline backend show them.
+
+Every figure shows the share of *all* steps on cloud beside the share of
+*continuation* steps (after each turn's plan), and says that plans run on cloud
+whenever ``cloud_share > 0``: that is why the first sits above the second.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusion_graph.context import FusionContext
-from fusion_graph.replay.traces import ReplayedTrajectory
+from fusion_graph.replay.calibration import Calibration, Shares, TargetOf, scored_steps, sweep
+from fusion_graph.replay.traces import ReplayedTrajectory, is_paced
 from fusion_graph.routing import cloud_threshold, hysteresis_band
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 LEG_COLOURS = {"cloud": "tab:orange", "local": "tab:blue"}
+#: Resolution of saved figures (pixels per inch).
+DPI = 110
+#: Up to this many trajectories ``replay_figure`` draws timelines; more get a summary figure.
+MAX_TIMELINES = 16
+#: Columns of the timeline grid.
+MAX_COLUMNS = 4
+#: Size of one timeline panel, inches.
+PANEL_SIZE = (4.6, 2.5)
+PLANS_NOTE = "plans (step 0 of each turn) run on cloud whenever cloud_share > 0"
 
 
 class PlotUnavailable(RuntimeError):
@@ -26,14 +46,17 @@ class PlotUnavailable(RuntimeError):
 
 def _figure(rows: int, columns: int, size: tuple[float, float]) -> Figure:
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError as error:
         raise PlotUnavailable("plots need matplotlib: pip install 'fusion-graph[plot]'") from error
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=size, layout="constrained")
+    figure = Figure(figsize=size, layout="constrained", dpi=DPI)
     figure.subplots(rows, columns, squeeze=False)
+    return figure
+
+
+def _save(figure: Figure, path: Path | None) -> Figure:
+    if path is not None:
+        figure.savefig(path, dpi=DPI)
     return figure
 
 
@@ -46,6 +69,110 @@ def base_threshold(context: FusionContext) -> float | None:
     return cloud_threshold(context.cloud_share)
 
 
+def dial_label(context: FusionContext) -> str:
+    """The dial in words: share, hysteresis, pace and rule, e.g. for a title."""
+    rule = "calibrated table" if context.score_quantiles is not None else "design rule"
+    pace = "no pace" if context.pace_slack is None else f"pace_slack={context.pace_slack:g}"
+    mode = "" if context.mode == "fusion" else f"mode={context.mode}, "
+    return f"{mode}cloud_share={context.cloud_share}, hysteresis={context.hysteresis}, {pace} ({rule})"
+
+
+# -- marks --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One kind of point: its legend label, colour and marker."""
+
+    label: str
+    colour: str
+    marker: str
+    edge: str = "none"
+
+
+MARKS: dict[str, Mark] = {
+    "cloud": Mark("cloud (score at or above its bar)", LEG_COLOURS["cloud"], "o"),
+    "local": Mark("local (score below its bar)", LEG_COLOURS["local"], "o"),
+    "plan cloud": Mark("plan on cloud (step 0)", LEG_COLOURS["cloud"], "^"),
+    "plan local": Mark("plan on local (step 0)", LEG_COLOURS["local"], "^"),
+    "paced cloud": Mark("paced to cloud (pace overruled the band)", LEG_COLOURS["cloud"], "D", "black"),
+    "paced local": Mark("paced to local (pace overruled the band)", LEG_COLOURS["local"], "D", "black"),
+}
+
+
+def mark_of(step: int, leg: str, paced: bool) -> str:
+    """The ``MARKS`` key of a step: plans, paced steps and the rest, by leg."""
+    if step == 0:
+        return f"plan {leg}"
+    return f"paced {leg}" if paced else leg
+
+
+def _legend(
+    figure: Figure, used: Sequence[str], extras: Sequence[tuple[str, str]], *, columns: int = 4
+) -> None:
+    """A figure legend naming every mark drawn (``used``) and every line or band (``extras``)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles: list[Any] = []
+    for key in MARKS:
+        if key in used:
+            mark = MARKS[key]
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    linestyle="none",
+                    marker=mark.marker,
+                    markerfacecolor=mark.colour,
+                    markeredgecolor=mark.edge if mark.edge != "none" else mark.colour,
+                    markersize=6,
+                    label=mark.label,
+                )
+            )
+    for kind, label in extras:
+        if kind == "band":
+            handles.append(Patch(color="0.88", label=label))
+        elif kind == "threshold":
+            handles.append(Line2D([], [], color="0.5", linestyle="--", linewidth=0.8, label=label))
+        elif kind == "turn":
+            handles.append(Line2D([], [], color="0.7", linestyle=":", linewidth=0.8, label=label))
+    figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), columns), fontsize=7)
+
+
+# -- timelines ----------------------------------------------------------------------
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _counts(replays: Sequence[ReplayedTrajectory]) -> tuple[int, int, int, int]:
+    steps = [s for r in replays for s in r.steps]
+    continuation = [s for s in steps if s.step > 0]
+    return (
+        len(steps),
+        sum(s.leg == "cloud" for s in steps),
+        len(continuation),
+        sum(s.leg == "cloud" for s in continuation),
+    )
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{part / whole:.2f}" if whole else "-"
+
+
+def share_line(replays: Sequence[ReplayedTrajectory]) -> str:
+    """Both shares and the plan note, for a figure's title."""
+    steps, cloud, continuation, continuation_cloud = _counts(replays)
+    plans = steps - continuation
+    return (
+        f"on cloud: {_ratio(cloud, steps)} of all steps ({cloud}/{steps}), "
+        f"{_ratio(continuation_cloud, continuation)} of continuation steps "
+        f"({continuation_cloud}/{continuation}); {PLANS_NOTE}: {plans} of {steps} steps are plans"
+    )
+
+
 def timelines(
     replays: Sequence[ReplayedTrajectory],
     context: FusionContext,
@@ -53,75 +180,267 @@ def timelines(
     limit: int = 8,
     path: Path | None = None,
 ) -> Figure:
-    """One panel per trajectory: each step's score against the ``T ± h`` band, coloured by leg.
+    """A grid of panels (up to ``MAX_COLUMNS`` wide), one per trajectory: each step's score against the band.
 
     The score drawn is what the dial compares: points under a calibrated table,
-    the integer score otherwise. Plans are triangles; dotted lines mark turns.
+    the integer score otherwise. Circles are steps the band decided, diamonds with
+    a black edge steps the paced dial forced onto the other leg (a cloud one may
+    sit below the band, a local one above it), triangles plans; dotted lines
+    start turns. The legend names every mark drawn; the title gives the dial (pace
+    included) and both shares. For more than ``MAX_TIMELINES`` trajectories see
+    ``replay_figure``.
     """
     shown = list(replays)[:limit]
     if not shown:
         raise ValueError("no trajectories to plot")
-    figure = _figure(len(shown), 1, (10.0, 2.2 * len(shown) + 0.6))
+    columns = min(MAX_COLUMNS, math.ceil(math.sqrt(len(shown))))
+    rows = math.ceil(len(shown) / columns)
+    width, height = PANEL_SIZE
+    figure = _figure(rows, columns, (width * columns + 0.4, height * rows + 1.5))
     base = base_threshold(context)
     calibrated = context.score_quantiles is not None
-    for axes, replay in zip(figure.axes, shown, strict=True):
+    used: set[str] = set()
+    turns = False
+    for axes, replay in zip(figure.axes, shown, strict=False):
         if base is not None:
             escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
-            axes.axhspan(stay_down_to, escalate_at, color="0.9", label="T ± h")
-            axes.axhline(base, color="0.5", linestyle="--", linewidth=0.8, label=f"T = {base:g}")
+            axes.axhspan(stay_down_to, escalate_at, color="0.88")
+            axes.axhline(base, color="0.5", linestyle="--", linewidth=0.8)
         for index, item in enumerate(replay.steps):
             score = item.decision.score
             if score is None:
                 continue
-            value = score.points if calibrated else score.score
             if item.step == 0 and index:
                 axes.axvline(index - 0.5, color="0.7", linestyle=":", linewidth=0.8)
+                turns = True
+            key = mark_of(item.step, item.leg, is_paced(item.decision))
+            used.add(key)
+            mark = MARKS[key]
             axes.scatter(
                 [index],
-                [value],
-                color=LEG_COLOURS[item.leg],
-                marker="^" if item.step == 0 else "o",
-                s=28,
+                [score.points if calibrated else score.score],
+                color=mark.colour,
+                marker=mark.marker,
+                edgecolors=mark.edge,
+                linewidths=0.8,
+                s=26,
                 zorder=3,
+                label=mark.label,
             )
-        cloud = sum(s.leg == "cloud" for s in replay.steps)
+        steps, cloud, continuation, continuation_cloud = _counts([replay])
         reward = replay.trajectory.reward
         outcome = "" if reward is None else f", reward {reward:g}"
         axes.set_title(
-            f"{replay.trajectory.id}: {cloud}/{len(replay.steps)} steps on cloud{outcome}", fontsize=9
+            f"{_short(replay.trajectory.id, 44)}\ncloud {cloud}/{steps} steps, "
+            f"{continuation_cloud}/{continuation} continuation{outcome}",
+            fontsize=7,
         )
-        axes.set_ylabel("points" if calibrated else "score")
+        axes.set_ylabel("points" if calibrated else "score", fontsize=7)
+        axes.set_xlabel("step of the trajectory", fontsize=7)
+        axes.tick_params(labelsize=7)
         axes.set_xlim(-0.8, max(len(replay.steps) - 0.2, 1.0))
-    for leg, colour in LEG_COLOURS.items():
-        figure.axes[0].scatter([], [], color=colour, label=leg)
-    figure.axes[0].legend(loc="upper left", fontsize=7, ncols=4)
-    figure.axes[-1].set_xlabel("step of the trajectory (triangles: plans)")
-    dial = "calibrated" if calibrated else "design rule"
-    figure.suptitle(f"cloud_share={context.cloud_share}, hysteresis={context.hysteresis} ({dial})")
-    if path is not None:
-        figure.savefig(path, dpi=110)
-    return figure
+    for axes in figure.axes[len(shown) :]:
+        axes.set_axis_off()
+    extras: list[tuple[str, str]] = []
+    if base is not None:
+        escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
+        extras.append(("band", f"hysteresis band {stay_down_to:g}-{escalate_at:g} (T ± h)"))
+        extras.append(("threshold", f"T = {base:g}"))
+    if turns:
+        extras.append(("turn", "a new turn starts"))
+    _legend(figure, sorted(used), extras, columns=min(4, 2 * columns))
+    figure.suptitle(
+        f"{dial_label(context)}\n" + "\n".join(textwrap.wrap(share_line(shown), 60 * columns)), fontsize=9
+    )
+    return _save(figure, path)
+
+
+def summary(
+    replays: Sequence[ReplayedTrajectory],
+    context: FusionContext,
+    *,
+    path: Path | None = None,
+) -> Figure:
+    """One figure for many trajectories: the share by ``cloud_share``, and continuation scores by leg.
+
+    Left: the share of all steps and of continuation steps on cloud at every
+    ``cloud_share`` (the rest of ``context`` kept: table, pace, hysteresis),
+    routed as the graph routes (``calibration.route_scores``), with the plans'
+    floor and this run's ``cloud_share`` marked. Right: a histogram of the
+    continuation steps' scores (points under a calibrated table) stacked by mark
+    (paced steps hatched), against the ``T ± h`` band.
+    """
+    shown = list(replays)
+    if not shown:
+        raise ValueError("no trajectories to plot")
+    figure = _figure(1, 2, (13.0, 5.2))
+    shares_axes, scores_axes = figure.axes
+    swept = sweep([scored_steps(r.steps) for r in shown], context)
+    _share_panel(shares_axes, swept, context.cloud_share)
+    calibrated = context.score_quantiles is not None
+    groups: dict[str, list[float]] = {}
+    for replay in shown:
+        for item in replay.steps:
+            score = item.decision.score
+            if item.step == 0 or score is None:
+                continue
+            key = mark_of(item.step, item.leg, is_paced(item.decision))
+            groups.setdefault(key, []).append(score.points if calibrated else score.score)
+    keys = [key for key in MARKS if key in groups]
+    values = [v for key in keys for v in groups[key]]
+    base = base_threshold(context)
+    if base is not None:
+        escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
+        scores_axes.axvspan(
+            stay_down_to, escalate_at, color="0.88", label=f"hysteresis band {stay_down_to:g}-{escalate_at:g}"
+        )
+        scores_axes.axvline(base, color="0.5", linestyle="--", linewidth=0.8, label=f"T = {base:g}")
+    if keys:
+        top = max([*values, base or 0.0]) + 1
+        _, _, bars = scores_axes.hist(
+            [groups[key] for key in keys],
+            bins=[top * k / 40 for k in range(41)],
+            stacked=True,
+            color=[MARKS[key].colour for key in keys],
+            label=[MARKS[key].label for key in keys],
+        )
+        containers: list[Any] = list(bars) if isinstance(bars, list) else [bars]
+        for key, container in zip(keys, containers, strict=True):
+            for bar in container:
+                bar.set_edgecolor("white" if MARKS[key].edge == "none" else MARKS[key].edge)
+                bar.set_linewidth(0.4)
+                if key.startswith("paced"):
+                    bar.set_hatch("////")
+    scores_axes.set_xlabel("continuation step " + ("points" if calibrated else "score"))
+    scores_axes.set_ylabel("continuation steps")
+    scores_axes.set_title(f"scores at cloud_share={context.cloud_share} (plans are not scored)", fontsize=9)
+    scores_axes.legend(fontsize=7)
+    figure.suptitle(
+        f"{len(shown)} trajectories, {dial_label(context)}\n"
+        + "\n".join(textwrap.wrap(share_line(shown), 150)),
+        fontsize=9,
+    )
+    return _save(figure, path)
+
+
+def _share_panel(axes: Axes, swept: Sequence[Shares], current: int) -> None:
+    shares = range(len(swept))
+    axes.plot(shares, [s.all.fraction for s in swept], "-", color="tab:red", label="all steps on cloud")
+    axes.plot(
+        shares,
+        [s.continuation.fraction for s in swept],
+        "-",
+        color="tab:purple",
+        label="continuation steps on cloud",
+    )
+    plans = swept[-1].plans
+    total = swept[-1].all.steps
+    if total:
+        axes.axhline(
+            plans.steps / total,
+            color="tab:red",
+            linestyle=":",
+            linewidth=0.9,
+            label=f"plans alone: {plans.steps} of {total} steps (on cloud whenever cloud_share > 0)",
+        )
+    axes.axvline(
+        current, color="0.4", linestyle="--", linewidth=0.8, label=f"this run: cloud_share={current}"
+    )
+    axes.set_xlim(0, 100)
+    axes.set_ylim(0, 1.02)
+    axes.set_xlabel("cloud_share")
+    axes.set_ylabel("fraction on cloud")
+    axes.set_title("share on cloud by cloud_share (this run's rule, pace, hysteresis)", fontsize=9)
+    axes.legend(fontsize=7, loc="lower right")
+
+
+def replay_figure(
+    replays: Sequence[ReplayedTrajectory],
+    context: FusionContext,
+    *,
+    limit: int = 8,
+    path: Path | None = None,
+) -> Figure:
+    """``replay --plot``: timelines of the first ``limit`` trajectories, or a ``summary`` past 16."""
+    shown = list(replays)[:limit]
+    if len(shown) > MAX_TIMELINES:
+        return summary(shown, context, path=path)
+    return timelines(shown, context, limit=limit, path=path)
+
+
+# -- calibration curves ---------------------------------------------------------------
+
+TARGET_WORDS: dict[TargetOf, str] = {
+    "continuation": "continuation steps on cloud",
+    "all": "all steps on cloud",
+    "cost": "cost / all-cloud cost",
+}
 
 
 def calibration_curve(
-    points: Sequence[tuple[float, float]],
+    series: Mapping[str, Sequence[tuple[float, Shares]]],
     *,
-    label: str = "calibrated",
-    baseline: Sequence[tuple[float, float]] = (),
+    of: TargetOf = "continuation",
+    requested: Calibration | None = None,
+    title: str = "",
     path: Path | None = None,
 ) -> Figure:
-    """Achieved against target cloud fraction (the diagonal is perfect), optionally with a baseline."""
-    figure = _figure(1, 1, (4.6, 4.2))
-    axes = figure.axes[0]
-    axes.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=0.8, label="target")
-    axes.plot([t for t, _ in points], [a for _, a in points], "o-", label=label)
-    if baseline:
-        axes.plot([t for t, _ in baseline], [a for _, a in baseline], "s:", label="design rule")
-    axes.set_xlabel("target continuation cloud fraction")
-    axes.set_ylabel("achieved")
-    axes.set_xlim(0, 1)
-    axes.set_ylim(0, 1)
-    axes.legend(fontsize=8)
-    if path is not None:
-        figure.savefig(path, dpi=110)
-    return figure
+    """Achieved against target: one panel per share (continuation steps, all steps, and cost when priced).
+
+    ``series`` maps a label (e.g. ``calibrated``, ``paced``, ``design rule``) to
+    ``(target, shares achieved)`` points, targets being fractions ``of`` one kind.
+    The diagonal (achieved = target) is drawn in the panel of that kind; the
+    all-steps panel marks what the plans alone put on cloud; ``requested`` (a
+    ``calibrate`` result) is starred at its target. Every panel's legend names its marks.
+    """
+    points = [shares for values in series.values() for _, shares in values]
+    if not points:
+        raise ValueError("no calibration points to plot")
+    kinds: list[TargetOf] = ["continuation", "all"]
+    if of == "cost" or all(shares.cost_fraction is not None for shares in points):
+        kinds.append("cost")
+    figure = _figure(1, len(kinds), (4.4 * len(kinds) + 0.3, 4.6))
+    styles = ["o-", "s:", "D--", "^-."]
+    for axes, kind in zip(figure.axes, kinds, strict=True):
+        if kind == of:
+            axes.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=0.8, label="achieved = target")
+        if kind == "all":
+            plans = points[0].plans
+            total = points[0].all.steps
+            if total:
+                axes.axhline(
+                    plans.steps / total,
+                    color="tab:red",
+                    linestyle=":",
+                    linewidth=0.9,
+                    label=f"plans alone: {plans.steps} of {total} steps ({plans.steps / total:.2f})",
+                )
+        for style, (label, values) in zip(styles * len(series), series.items(), strict=False):
+            axes.plot(
+                [target for target, _ in values],
+                [shares.fraction(kind) or 0.0 for _, shares in values],
+                style,
+                markersize=4,
+                label=label,
+            )
+        if requested is not None and requested.shares is not None:
+            value = requested.shares.fraction(kind) or 0.0
+            axes.plot(
+                [requested.target],
+                [value],
+                "*",
+                color="black",
+                markersize=11,
+                zorder=4,
+                label=f"requested {requested.target:g}: achieved {value:.2f} "
+                f"(cloud_share={requested.context.cloud_share})",
+            )
+        axes.set_xlabel(f"target: {TARGET_WORDS[of]}", fontsize=8)
+        axes.set_ylabel(f"achieved: {TARGET_WORDS[kind]}", fontsize=8)
+        axes.set_title(f"achieved {TARGET_WORDS[kind]}", fontsize=9)
+        axes.set_xlim(0, 1)
+        axes.set_ylim(0, 1.02)
+        axes.legend(fontsize=7, loc="best")
+    heading = title or "calibrated dial"
+    figure.suptitle(f"{heading}\n{PLANS_NOTE}", fontsize=9)
+    return _save(figure, path)

@@ -11,7 +11,8 @@ message; costs price those estimates with no cached tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -22,11 +23,57 @@ from langchain_core.messages import BaseMessage, convert_to_messages
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.pricing import TokenPrices, default_pricing, unit_prices
 from fusion_graph.replay.history import ReplayedStep, route_history
+from fusion_graph.routing import RouteDecision
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import approximate_tokens
 
 #: Where the shared traces live, relative to the repository root (``../shared/data/traces``).
 SHARED_TRACES = Path("..") / "shared" / "data" / "traces"
+#: The environment variable naming the traces directory (notebooks, ``shared_traces``).
+TRACES_ENV = "FUSION_TRACES_DIR"
+
+
+def repository_root(start: Path | None = None) -> Path | None:
+    """The fusion-graph checkout holding ``start`` (default: the working directory), or ``None``.
+
+    The first of ``start`` and its parents that holds both ``pyproject.toml`` and
+    the ``fusion_graph`` package; failing that, the checkout this package was
+    imported from (an editable install), if it is one.
+    """
+    here = (start or Path.cwd()).resolve()
+    package = Path(__file__).resolve().parents[2]
+    for candidate in (here, *here.parents, package):
+        if (candidate / "pyproject.toml").is_file() and (candidate / "fusion_graph").is_dir():
+            return candidate
+    return None
+
+
+def shared_traces(environ: Mapping[str, str] | None = None, *, start: Path | None = None) -> Path:
+    """The traces directory: ``$FUSION_TRACES_DIR``, else ``shared/data/traces`` beside the repository root.
+
+    A relative ``FUSION_TRACES_DIR`` is read from the working directory. The
+    default does not depend on the working directory (a notebook's, a shell's):
+    it is ``SHARED_TRACES`` resolved against ``repository_root(start)``.
+
+    Raises:
+        FileNotFoundError: The directory holds no ``*.jsonl`` file; the message
+            names the path and ``FUSION_TRACES_DIR``.
+    """
+    environ = os.environ if environ is None else environ
+    given = environ.get(TRACES_ENV, "").strip()
+    if given:
+        path, origin = Path(given).expanduser(), f"from {TRACES_ENV}"
+    else:
+        root = repository_root(start)
+        path = (root / SHARED_TRACES) if root is not None else SHARED_TRACES
+        origin = f"the default, {SHARED_TRACES} beside the repository root; set {TRACES_ENV} to change it"
+    path = path.resolve()
+    if not path.is_dir() or not any(path.glob("*.jsonl")):
+        raise FileNotFoundError(
+            f"the shared traces are missing: no *.jsonl files in {path} ({origin}). "
+            f"Point {TRACES_ENV} at a directory of OpenAI-format JSONL traces."
+        )
+    return path
 
 
 class TraceError(ValueError):
@@ -224,6 +271,38 @@ def _cost(prices: TokenPrices | None, prompt: int, completion: int) -> float | N
     return None if prices is None else prices.cost(prompt, 0, completion)
 
 
+def step_costs(replay: ReplayedTrajectory, prices: StepPrices) -> list[tuple[float | None, float]]:
+    """Each step's ``(cloud, local)`` cost in USD, as ``summarize`` prices it (for cost targets).
+
+    The cloud cost is ``None`` when the cloud model's price is unknown.
+    """
+    costs = []
+    for item, completion in zip(replay.steps, replay.completion_tokens, strict=True):
+        prompt = item.signals.prompt_tokens
+        costs.append((_cost(prices.cloud, prompt, completion), prices.local.cost(prompt, 0, completion)))
+    return costs
+
+
+#: What ``routing`` appends to a decision's reason when the paced dial overruled the band.
+PACED_MARK = "; paced to "
+
+
+def is_paced(decision: RouteDecision) -> bool:
+    """Whether the paced dial (``routing.paced_leg``) forced this leg against the score's band."""
+    return PACED_MARK in decision.reason
+
+
+def plan_note(steps: int, plans: int, plans_on_cloud: int) -> str:
+    """The line that explains the gap between the share of all steps and of continuation steps."""
+    note = (
+        f"plans (step 0 of each turn) run on cloud whenever cloud_share > 0: {plans} of {steps} "
+        f"steps are plans, {plans_on_cloud} of them on cloud here"
+    )
+    if plans and plans_on_cloud == plans:
+        note += f", so at least {plans / steps:.2f} of all steps go to cloud"
+    return note
+
+
 def _fraction(part: int, whole: int) -> float:
     return round(part / whole, 4) if whole else 0.0
 
@@ -235,11 +314,16 @@ def _add(total: float | None, value: float | None) -> float | None:
 def summarize(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> dict[str, Any]:
     """The ``replay --json`` object: counts, fractions, switches, costs and every step.
 
-    ``switches`` counts leg changes between consecutive steps of a trajectory
-    (plan steps included). Costs price the estimated tokens with no cached
-    input; ``None`` when the cloud model's price is unknown.
+    ``cloud_fraction`` is the share of all steps on cloud, ``continuation_cloud_fraction``
+    the share of continuation steps (after each turn's plan); plans run on cloud
+    whenever ``cloud_share > 0``, which ``note`` says with the counts (``plan_steps``,
+    ``plan_cloud_steps``). ``paced_steps`` counts the steps the paced dial forced onto
+    the other leg. ``switches`` counts leg changes between consecutive steps of a
+    trajectory (plan steps included). Costs price the estimated tokens with no cached
+    input; ``None`` when the cloud model's price is unknown; ``cost_fraction`` is
+    ``cost_usd / all_cloud_cost_usd``.
     """
-    steps = cloud_steps = continuation = continuation_cloud = switches = 0
+    steps = cloud_steps = continuation = continuation_cloud = switches = paced = 0
     cost: float | None = 0.0
     all_cloud: float | None = 0.0
     trajectories = []
@@ -255,6 +339,7 @@ def summarize(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> dict
             all_cloud = _add(all_cloud, _cost(prices.cloud, prompt, completion))
             steps += 1
             cloud_steps += item.leg == "cloud"
+            paced += is_paced(decision)
             if item.step > 0:
                 continuation += 1
                 continuation_cloud += item.leg == "cloud"
@@ -264,6 +349,7 @@ def summarize(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> dict
                     "position": item.position,
                     "step": item.step,
                     "leg": item.leg,
+                    "paced": is_paced(decision),
                     "score": score.score if score is not None else None,
                     "points": score.points if score is not None else None,
                     "breakdown": score.breakdown() if score is not None else None,
@@ -278,14 +364,21 @@ def summarize(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> dict
         trajectories.append(
             {"id": trajectory.id, "file": trajectory.file, "reward": trajectory.reward, "steps": rows}
         )
+    plans, plans_cloud = steps - continuation, cloud_steps - continuation_cloud
     return {
         "steps": steps,
         "cloud_steps": cloud_steps,
         "cloud_fraction": _fraction(cloud_steps, steps),
         "continuation_steps": continuation,
+        "continuation_cloud_steps": continuation_cloud,
         "continuation_cloud_fraction": _fraction(continuation_cloud, continuation),
+        "plan_steps": plans,
+        "plan_cloud_steps": plans_cloud,
+        "paced_steps": paced,
+        "note": plan_note(steps, plans, plans_cloud),
         "switches": switches,
         "cost_usd": cost,
         "all_cloud_cost_usd": all_cloud,
+        "cost_fraction": round(cost / all_cloud, 4) if cost is not None and all_cloud else None,
         "trajectories": trajectories,
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,13 +63,15 @@ def text_tokens(text: str) -> float:
     if len(text) > _SAMPLE_CHARS:
         half = _SAMPLE_CHARS // 2
         return text_tokens(text[:half] + text[-half:]) * len(text) / _SAMPLE_CHARS
+    if not text:  # every class counts 0 (an answer that only calls tools)
+        return 0.0
     words = _WORD.findall(text)
     return (
         TOKENS_PER_WORD * len(words)
         + TOKENS_PER_LETTER * sum(map(len, words))
         + TOKENS_PER_DIGIT * len(_DIGIT.findall(text))
         + TOKENS_PER_PUNCT * len(_PUNCT.findall(text))
-        + TOKENS_PER_NON_ASCII * len(_NON_ASCII.findall(text))
+        + TOKENS_PER_NON_ASCII * (0 if text.isascii() else len(_NON_ASCII.findall(text)))
         + TOKENS_PER_SPACE_RUN * len(_SPACE_RUN.findall(text))
     )
 
@@ -110,24 +113,67 @@ def _message_key(message: BaseMessage) -> tuple[str, str, int, int] | None:
     return (message.id, message.type, len(message.content), calls)
 
 
+def _count(message: BaseMessage) -> int:
+    """``message_tokens`` of one message, remembered by id (see ``_SEEN``)."""
+    key = _message_key(message)
+    count = _SEEN.get(key) if key is not None else None
+    if count is None:
+        count = message_tokens(message)
+        if key is not None:
+            _SEEN[key] = count
+            if len(_SEEN) > _SEEN_LIMIT:
+                _SEEN.popitem(last=False)
+    return count
+
+
+#: Lists already summed, by the identity of their first message: the messages and the estimate
+#: of each prefix (``sums[i]`` covers the first ``i``). A history that starts with a remembered
+#: list (the same message objects, or equal ones) is summed from there, so a step costs its new
+#: messages plus one identity comparison of the history (in C), not a walk over it.
+_PREFIXES: OrderedDict[int, tuple[list[BaseMessage], list[int]]] = OrderedDict()
+#: Histories remembered (each keeps its messages alive until it is dropped).
+_PREFIXES_LIMIT = 16
+_PREFIXES_LOCK = threading.Lock()
+
+
+def _running_sums(messages: Sequence[BaseMessage], start: int = 0) -> list[int]:
+    sums, total = [], start
+    for message in messages:
+        total += _count(message)
+        sums.append(total)
+    return sums
+
+
 def approximate_tokens(messages: Sequence[BaseMessage]) -> int:
     """The default estimator: ``message_tokens`` summed over ``messages``.
 
     The estimate adds up message by message, so each message (by id) is
-    counted once and remembered: a step costs the new messages, not the history.
+    counted once and remembered, and so is the running sum of a history
+    (``_PREFIXES``): a step costs the new messages, not the history. Messages
+    are taken as immutable, as LangGraph treats them (a change is a new message).
     """
-    total = 0
-    for message in messages:
-        key = _message_key(message)
-        count = _SEEN.get(key) if key is not None else None
-        if count is None:
-            count = message_tokens(message)
-            if key is not None:
-                _SEEN[key] = count
-                if len(_SEEN) > _SEEN_LIMIT:
-                    _SEEN.popitem(last=False)
-        total += count
-    return total
+    if not messages:
+        return 0
+    items = messages if isinstance(messages, list) else list(messages)
+    key = id(items[0])
+    with _PREFIXES_LOCK:
+        known = _PREFIXES.get(key)
+        if known is not None and known[0][0] is items[0]:
+            seen, sums = known
+            shared = min(len(seen), len(items))
+            if seen[:shared] == items[:shared]:  # the same (or equal) messages: their sums hold
+                _PREFIXES.move_to_end(key)
+                if shared == len(items):
+                    return sums[shared]
+                tail = _running_sums(items[shared:], sums[-1])
+                _PREFIXES[key] = (list(items), sums + tail)
+                return tail[-1]
+        sums = [0, *_running_sums(items)]
+        _PREFIXES[key] = (list(items), sums)
+        _PREFIXES.move_to_end(key)
+        if len(_PREFIXES) > _PREFIXES_LIMIT:
+            _PREFIXES.popitem(last=False)
+        return sums[-1]
 
 
 def tool_schemas(tools: Sequence[BaseTool | dict[str, Any]]) -> list[dict[str, Any]]:

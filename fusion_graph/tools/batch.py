@@ -11,7 +11,8 @@ notices* that raise the next step's score.
 from __future__ import annotations
 
 import json
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,14 +61,44 @@ def call_key(name: str, args: Mapping[str, Any]) -> str:
     return f"{name}:{json.dumps(args, sort_keys=True, default=str)}"
 
 
-def prior_call_counts(turn_messages: Sequence[BaseMessage]) -> Counter[str]:
-    """How often each (name, arguments) was requested earlier in the turn."""
-    counts: Counter[str] = Counter()
-    for message in turn_messages:
+def _count_calls(counts: Counter[str], messages: Sequence[BaseMessage]) -> Counter[str]:
+    for message in messages:
         if isinstance(message, AIMessage):
             for call in message.tool_calls:
                 counts[call_key(call["name"], call["args"])] += 1
     return counts
+
+
+#: Turns already counted, by the identity of their first message: the messages and the counts.
+#: A turn that extends a remembered one (the same message objects, or equal ones) counts only
+#: its new messages, so a step does not re-encode every earlier call of the turn.
+_COUNTED: OrderedDict[int, tuple[list[BaseMessage], Counter[str]]] = OrderedDict()
+_COUNTED_LIMIT = 16
+_COUNTED_LOCK = threading.Lock()
+
+
+def prior_call_counts(turn_messages: Sequence[BaseMessage]) -> Counter[str]:
+    """How often each (name, arguments) was requested earlier in the turn (a new ``Counter``)."""
+    if not turn_messages:
+        return Counter()
+    items = turn_messages if isinstance(turn_messages, list) else list(turn_messages)
+    key = id(items[0])
+    with _COUNTED_LOCK:
+        known = _COUNTED.get(key)
+        if known is not None and known[0][0] is items[0]:
+            seen, counted = known
+            if len(seen) <= len(items) and seen == items[: len(seen)]:  # the same (or equal) messages
+                if len(seen) < len(items):  # the remembered counts are only ever read under the lock
+                    counted.update(_count_calls(Counter(), items[len(seen) :]))
+                    _COUNTED[key] = (list(items), counted)
+                _COUNTED.move_to_end(key)
+                return counted.copy()
+        counts = _count_calls(Counter(), items)
+        _COUNTED[key] = (list(items), counts.copy())
+        _COUNTED.move_to_end(key)
+        if len(_COUNTED) > _COUNTED_LIMIT:
+            _COUNTED.popitem(last=False)
+        return counts
 
 
 def schema_error(tool: BaseTool, args: dict[str, Any]) -> str | None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -67,8 +69,11 @@ def test_run_streams_a_turn_persists_the_thread_and_report_prices_it(
         )
     )
     db = tmp_path / "threads.sqlite"
-    common = ["--workspace", str(tmp_path), "--db", str(db), "--thread", "t1"]
-    first = runner.invoke(app, ["run", "read my notes", *common])
+    # Memory jobs off: this test counts the turn's own inferences (memory runs: test_run_memory.py).
+    off = json.dumps({"sub_runners": "off"})
+    common = ["--workspace", str(tmp_path), "--db", str(db), "--thread", "t1", "--context", off]
+    # t1 has no checkpoint yet: --new-thread starts it (an unknown --thread alone is refused).
+    first = runner.invoke(app, ["run", "read my notes", *common, "--new-thread"])
     assert first.exit_code == 0, first.output
     assert "done" in first.stdout
     assert "cloud:cloudfake" in first.stdout and "local:localfake" in first.stdout
@@ -105,6 +110,7 @@ def test_run_without_a_cloud_key_names_the_variable(
 ) -> None:
     # The default chain builds both legs, so even a local-only run needs the key.
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .env here
     db = tmp_path / "db"
     context = json.dumps({"mode": mode})
     result = runner.invoke(
@@ -166,7 +172,7 @@ def test_live_table_renders_a_recorded_event_stream() -> None:
     steps.apply(decision)
     pending = rendered(steps)
     assert "running" in pending and "local …" in pending
-    assert "12 / 60" in pending and "back to local" in pending
+    assert "12/60" in pending and "back to local" in pending
     outcome = {
         **decision,
         "phase": "outcome",
@@ -185,7 +191,166 @@ def test_live_table_renders_a_recorded_event_stream() -> None:
     steps.apply({"event": "something_else", "step": 9})
     text = rendered(steps)
     assert "running" not in text
-    assert "cloud (routed local)" in text
+    assert "local → cloud" in text  # routed local, answered by cloud
     assert "cloud:gpt-4o-mini" in text and "1234" in text and "1000" in text and "$0.000123" in text
     assert len(steps.rows) == 2
     assert [key[1] for key in steps.rows] == [1, 0]
+
+
+# --------------------------------------------------------------------------- the key, threads, --json
+
+
+def test_a_key_written_in_dot_env_is_honoured_without_exporting_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("OPENAI_API_KEY=sk-from-dotenv\nFUSION_CLOUD_MODEL=cloudfake\n")
+    seen: list[FusionSettings] = []
+
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        cli_run.check_cloud_key(settings)  # the real check: it must find the key
+        seen.append(settings)
+        return scripted("cloudfake", ["hello"]), scripted("localfake", [])
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+    result = runner.invoke(app, ["run", "hi", "--workspace", ".", "--context", '{"sub_runners": "off"}'])
+    assert result.exit_code == 0, result.output
+    assert "export" not in result.stderr and "hello" in result.stdout
+    [settings] = seen
+    assert settings.cloud_model == "cloudfake"  # FUSION_* names from .env, as before
+    key = settings.api_key()
+    assert key is not None and key.get_secret_value() == "sk-from-dotenv"
+    assert "OPENAI_API_KEY" not in os.environ
+
+
+def test_the_default_cloud_model_gets_the_dot_env_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fusion_graph.providers.models import build_cloud_model
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    env = tmp_path / ".env"
+    env.write_text("# comment\nexport OPENAI_API_KEY='sk-quoted'\n")
+    settings = cli_run.with_dotenv_key(FusionSettings(), env)
+    model = build_cloud_model(settings)
+    assert model.openai_api_key.get_secret_value() == "sk-quoted"  # type: ignore[attr-defined]
+    # The environment and FUSION_CLOUD_API_KEY win over .env; no file, no change.
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    assert cli_run.with_dotenv_key(FusionSettings(), env).cloud_api_key is None
+    own = FusionSettings(cloud_api_key="sk-own")
+    assert cli_run.with_dotenv_key(own, env) is own
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert cli_run.with_dotenv_key(FusionSettings(), tmp_path / "none").api_key() is None
+    # Another variable name (FUSION_CLOUD_API_KEY_ENV) is read from .env the same way.
+    env.write_text("GATEWAY_KEY=sk-gw\n")
+    gateway = cli_run.with_dotenv_key(FusionSettings(cloud_api_key_env="GATEWAY_KEY"), env).api_key()
+    assert gateway is not None and gateway.get_secret_value() == "sk-gw"
+
+
+@pytest.fixture
+def two_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        return scripted("cloudfake", ["first"]), scripted("localfake", [])
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+
+
+def test_an_unknown_thread_is_refused_unless_new_thread(tmp_path: Path, two_answers: None) -> None:
+    db = tmp_path / "t.sqlite"
+    common = ["--workspace", str(tmp_path), "--db", str(db), "--context", '{"sub_runners": "off"}']
+    refused = runner.invoke(app, ["run", "hi", *common, "--thread", "nope"])
+    assert refused.exit_code == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in refused.output
+    assert f"thread 'nope' has no checkpoint in --db {db}; use --new-thread to start it" in lines[0]
+    assert refused.stdout == ""  # no empty live table either
+    started = runner.invoke(app, ["run", "hi", *common, "--thread", "nope", "--new-thread"])
+    assert started.exit_code == 0, started.output
+    again = runner.invoke(app, ["run", "hi", *common, "--thread", "nope"])
+    assert again.exit_code == 0, again.output
+
+
+def test_json_prints_one_object_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FUSION_CLOUD_MODEL", "cloudfake")
+    monkeypatch.setenv("FUSION_PRICE_OVERRIDES", json.dumps({"cloudfake": [1.0, 2.0, 0.5]}))
+    (tmp_path / "notes.txt").write_text("milk\n")
+    plan = ai_calls(call("read_file", {"path": "notes.txt"}, "r1"))
+    plan.usage_metadata = usage(1000, 100)
+
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        return scripted("cloudfake", [plan]), scripted(
+            "localfake", [AIMessage("milk", usage_metadata=usage(9, 1))]
+        )
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+    args = ["run", "read", "--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite"), "--json"]
+    result = runner.invoke(app, [*args, "--context", '{"sub_runners": "off"}'])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)  # the whole of stdout is one JSON object
+    assert {"answer", "thread_id", "route_log", "totals"} <= set(out)
+    assert out["answer"] == "milk" and len(out["thread_id"]) == 12
+    assert [(r["step"], r["kind"], r["leg"]) for r in out["route_log"]] == [
+        (0, "plan", "cloud"),
+        (1, "step", "local"),
+    ]
+    assert out["totals"]["total"]["cost_usd"] == pytest.approx(0.0012)
+    assert out["totals"]["by_provider"]["cloud:cloudfake"]["inferences"] == 1
+    assert (
+        out["cloud_share"]["cloud_fraction"] == 0.5
+        and out["cloud_share"]["continuation_cloud_fraction"] == 0.0
+    )
+    assert out["truncated"] is False
+
+
+async def test_run_task_streams_events_and_flags_an_answer_cut_at_max_tokens(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("milk\n")
+    cut = AIMessage("the notes s", response_metadata={"finish_reason": "length"})
+    models = (
+        scripted("cloudfake", [ai_calls(call("read_file", {"path": "notes.txt"}, "r1"))]),
+        scripted("localfake", [cut]),
+    )
+    events: list[dict[str, Any]] = []
+    ended: list[cli_run.RunResult] = []
+    result = await cli_run.run_task(
+        "read my notes",
+        context=FusionContext(sub_runners="off"),
+        settings=FusionSettings(workspace_root=str(tmp_path)),
+        db=tmp_path / "t.sqlite",
+        models=models,
+        on_event=lambda event: events.append(dict(event)),
+        on_turn_end=ended.append,
+    )
+    assert ended == [result]
+    assert result.truncated and result.answer == "the notes s" and result.turn == 0
+    answers = [e for e in events if e["event"] == "fusion_answer"]
+    assert [(e["step"], e["tools"], e["finish_reason"]) for e in answers] == [
+        (0, ["read_file"], None),
+        (1, [], "length"),
+    ]
+    phases = [(e["step"], e.get("phase")) for e in events if e["event"] == "fusion_route"]
+    assert phases == [(0, "decision"), (0, "outcome"), (1, "decision"), (1, "outcome")]
+    steps = StepTable()
+    for event in events:
+        steps.apply(event)
+    text = rendered(steps)
+    assert "read_file" in text and "(cut)" in text and "max_tokens" in text
+
+
+async def test_run_task_streams_the_tokens_of_the_running_step(tmp_path: Path) -> None:
+    # Streamed (stream_mode="messages"): a scripted model streams its text word by word.
+    events: list[dict[str, Any]] = []
+    result = await cli_run.run_task(
+        "hi",
+        context=FusionContext(sub_runners="off"),
+        settings=FusionSettings(workspace_root=str(tmp_path)),
+        db=tmp_path / "t.sqlite",
+        models=(scripted("cloudfake", ["one two three"]), scripted("localfake", [])),
+        on_event=lambda event: events.append(dict(event)),
+        stream_tokens=True,
+    )
+    assert result.answer == "one two three"
+    streamed = [e for e in events if e["event"] == "fusion_tokens"]
+    assert len(streamed) == 5 and {(e["step"], e["kind"]) for e in streamed} == {(0, "plan")}
+    first_outcome = next(i for i, e in enumerate(events) if e.get("phase") == "outcome")
+    assert all(events.index(e) < first_outcome for e in streamed)  # while the step ran

@@ -221,3 +221,142 @@ def test_an_operator_setting_in_the_run_context_is_refused(tmp_path: Path) -> No
     result = runner.invoke(app, ["replay", str(traces), "--context", '{"local_base_url": "http://x/v1"}'])
     assert result.exit_code == 2
     assert "operator setting" in result.stderr and "FUSION_LOCAL_BASE_URL" in result.stderr
+
+
+# --------------------------------------------------------------------------- both shares, plans, targets
+
+
+PLANS_NOTE = "plans (step 0 of each turn) run on cloud whenever cloud_share > 0"
+
+
+def test_replay_shows_both_shares_and_why_they_differ(tmp_path: Path) -> None:
+    traces = write_tiny_traces(tmp_path / "tiny.jsonl")
+    result = runner.invoke(app, ["replay", str(traces), "--cloud-share", "30"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "cloud" in out and "all" in out and "cont." in out and "plans" in out
+    assert (
+        "on cloud: 0.57 of all steps (4 of 7), 0.00 of continuation steps (0 of 3, the steps after each "
+        "turn's plan)"
+    ) in out
+    assert f"note: {PLANS_NOTE}: 4 of 7 steps are plans, 4 of them on cloud here, so at least 0.57" in out
+    data = invoke_json("replay", str(traces), "--cloud-share", "30", "--json")
+    assert (data["plan_steps"], data["plan_cloud_steps"], data["continuation_cloud_steps"]) == (4, 4, 0)
+    assert data["note"].startswith(f"{PLANS_NOTE}: 4 of 7 steps")
+    assert data["paced_steps"] == 0
+
+
+def test_replay_counts_the_steps_the_pace_forced(tmp_path: Path) -> None:
+    traces = write_varied_traces(tmp_path / "varied.jsonl")
+    context = json.dumps({"cloud_share": 30, "pace_slack": 0.5, "max_steps": 30})
+    data = invoke_json("replay", str(traces), "--json", "--context", context)
+    paced = [s for t in data["trajectories"] for s in t["steps"] if s["paced"]]
+    assert data["paced_steps"] == len(paced) > 0
+    assert all("paced to" in s["reason"] for s in paced)
+    result = runner.invoke(app, ["replay", str(traces), "--context", context])
+    assert "paced within 0.5 steps" in result.stdout and "paced" in result.stdout
+
+
+def test_replay_plot_of_many_trajectories_is_a_summary(tmp_path: Path) -> None:
+    traces = write_varied_traces(tmp_path / "varied.jsonl", count=40)
+    target = tmp_path / "summary.png"
+    result = runner.invoke(app, ["replay", str(traces), "--plot", str(target), "--plot-limit", "40"])
+    assert result.exit_code == 0, result.output
+    assert f"summary of 40 trajectories written to {target}" in result.stdout
+    width, height = png_size(target)
+    assert height < 4000 and width < 2000
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_calibrate_shows_both_shares_and_the_plan_note(tmp_path: Path) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    args = ["calibrate", traces, "--target-cloud-fraction", "0.3", "--context", '{"max_steps": 30}']
+    out = invoke_json(*args, "--json")
+    assert out["of"] == "continuation"
+    assert out["achieved"] == out["continuation_cloud_fraction"]
+    assert (out["steps"], out["plan_steps"], out["continuation_steps"]) == (100, 20, 80)
+    # 20 plans on cloud plus the continuation share of 80 steps.
+    assert out["cloud_fraction"] == round((20 + out["continuation_cloud_fraction"] * 80) / 100, 4)
+    assert out["note"].startswith(f"{PLANS_NOTE}: 20 of 100 steps are plans")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "target 0.300 of continuation steps" in result.stdout
+    assert f"note: {PLANS_NOTE}: 20 of 100 steps" in result.stdout
+    assert f"{out['cloud_fraction']:.3f}" in result.stdout and f"{out['achieved']:.3f}" in result.stdout
+
+
+def test_calibrate_can_target_the_share_of_all_steps(tmp_path: Path) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    out = invoke_json(
+        "calibrate",
+        traces,
+        "--target-cloud-fraction",
+        "0.5",
+        "--of",
+        "all",
+        "--json",
+        "--context",
+        '{"max_steps": 30}',
+    )
+    assert out["of"] == "all"
+    assert out["achieved"] == out["cloud_fraction"]
+    assert abs(out["achieved"] - 0.5) <= 0.05
+    assert out["continuation_cloud_fraction"] < out["cloud_fraction"]
+    replayed = invoke_json("replay", traces, "--json", "--context", json.dumps(out["context"]))
+    assert replayed["cloud_fraction"] == out["achieved"]  # the graph's routing agrees
+
+
+def test_an_all_steps_target_below_what_plans_send_fails_with_the_numbers(tmp_path: Path) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    result = runner.invoke(app, ["calibrate", traces, "--target-cloud-fraction", "0.1", "--of", "all"])
+    assert result.exit_code == 2
+    message = " ".join(result.stderr.split())
+    assert "no cloud_share gives 0.10 of all steps" in message
+    assert "Plans (step 0 of each turn) run on cloud whenever cloud_share > 0: 20 of 100 steps" in message
+    assert "at least 0.20" in message and "--of continuation" in message
+
+
+def test_calibrate_can_target_cost(tmp_path: Path, dollar_prices: None) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    out = invoke_json(
+        "calibrate", traces, "--target-cost-fraction", "0.6", "--json", "--context", '{"max_steps": 30}'
+    )
+    assert out["of"] == "cost"
+    assert out["achieved"] == out["cost_fraction"]
+    assert abs(out["achieved"] - 0.6) <= 0.05
+    replayed = invoke_json("replay", traces, "--json", "--context", json.dumps(out["context"]))
+    assert replayed["cost_usd"] / replayed["all_cloud_cost_usd"] == pytest.approx(out["achieved"], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "give one target"),
+        (["--target-cloud-fraction", "0.2", "--target-cost-fraction", "0.2"], "give one target"),
+        (["--target-cost-fraction", "0.2", "--of", "all"], "--of applies to --target-cloud-fraction"),
+        (["--target-cloud-fraction", "0.2", "--of", "tokens"], "--of must be 'all' or 'continuation'"),
+        (["--target-cost-fraction", "1.2"], "target cost fraction must be between 0 and 1"),
+    ],
+)
+def test_calibrate_target_options_are_checked(tmp_path: Path, args: list[str], message: str) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    result = runner.invoke(app, ["calibrate", traces, *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.stderr.split())
+
+
+def test_calibrate_plot_draws_target_against_both_shares(tmp_path: Path) -> None:
+    traces = str(write_varied_traces(tmp_path / "varied.jsonl"))
+    target = tmp_path / "calibration.png"
+    result = runner.invoke(
+        app, ["calibrate", traces, "--target-cloud-fraction", "0.3", "--plot", str(target)]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"calibration curve written to {target}" in result.stdout
+    width, height = png_size(target)
+    assert 800 < width < 2000 and height < 800

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-from langchain_core.outputs import ChatResult
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -101,12 +101,15 @@ async def echo(text: str) -> str:
 
 
 def cloud_model(fake: FakeOpenAI) -> ChatOpenAI:
+    # stream_usage: a streamed answer reports its tokens (langchain-openai turns it on by itself
+    # only for OpenAI's own URL), so runs under Studio and the server are priced too.
     return ChatOpenAI(
         model="gpt-4o-mini",
         base_url=fake.base_url,
         api_key="x",
         max_retries=0,
         timeout=10,
+        stream_usage=True,
     )
 
 
@@ -117,6 +120,7 @@ def local_model(fake: FakeOpenAI, timeout: float = 1.0) -> ChatLlamaServer:
         api_key="x",
         max_retries=0,
         timeout=timeout,
+        stream_usage=True,  # as the graph's own default local model: streamed answers report usage
     )
 
 
@@ -289,14 +293,15 @@ async def test_local_fault_mid_turn_falls_over_to_cloud(
     await checkpointed_once(rig.graph, rig.config, [USER])
 
 
+@pytest.mark.parametrize("way", WAYS)
 async def test_a_local_context_overflow_walks_on_to_cloud_without_hurting_health(
-    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver, way: str
 ) -> None:
     cloud.script(replies(calls("plan"), Reply(content="done on cloud")))
     overflow = Reply(status=400, raw=json.dumps(LLAMA_OVERFLOW_BODY).encode())
     local.script(replies(overflow))
     rig = make_rig(cloud_model(cloud), local_model(local), saver)
-    out = await rig.turn()
+    out = await rig.turn(way=way)
 
     assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "cloud")]
     [attempt] = out["route_log"][1]["attempts"]
@@ -317,6 +322,11 @@ class Hanging(ScriptedModel):
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")
 
+    async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        await asyncio.sleep(3600)  # streamed (Studio, the server): the same hang
+        raise AssertionError("unreachable")
+        yield  # an async generator
+
 
 class Unparsable(ScriptedModel):
     """An injected model whose own response parsing fails."""
@@ -329,11 +339,18 @@ class Unparsable(ScriptedModel):
         AIMessage.model_validate({"content": "", "tool_calls": [{"name": "x", "args": [1], "id": "c"}]})
         raise AssertionError("unreachable")
 
+    async def _astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        await self._agenerate()  # streamed: the same parse failure
+        yield ChatGenerationChunk(message=AIMessageChunk(content=""))  # pragma: no cover - never reached
 
-async def test_request_timeout_bounds_an_injected_model(cloud: FakeOpenAI, saver: AsyncSqliteSaver) -> None:
+
+@pytest.mark.parametrize("way", WAYS)
+async def test_request_timeout_bounds_an_injected_model(
+    cloud: FakeOpenAI, saver: AsyncSqliteSaver, way: str
+) -> None:
     cloud.script(replies(calls("plan"), Reply(content="done on cloud")))
     rig = make_rig(cloud_model(cloud), Hanging(messages=iter([])), saver, request_timeout=0.5)
-    out = await rig.turn()
+    out = await rig.turn(way=way)
 
     assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "cloud")]
     [attempt] = out["route_log"][1]["attempts"]
@@ -342,12 +359,13 @@ async def test_request_timeout_bounds_an_injected_model(cloud: FakeOpenAI, saver
 
 
 @pytest.mark.parametrize("error", ["index", "validation"])
+@pytest.mark.parametrize("way", WAYS)
 async def test_an_injected_models_parse_failure_is_a_malformed_answer(
-    cloud: FakeOpenAI, saver: AsyncSqliteSaver, error: str
+    cloud: FakeOpenAI, saver: AsyncSqliteSaver, error: str, way: str
 ) -> None:
     cloud.script(replies(calls("plan"), Reply(content="done on cloud")))
     rig = make_rig(cloud_model(cloud), Unparsable(messages=iter([]), error=error), saver)
-    out = await rig.turn()
+    out = await rig.turn(way=way)
 
     assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "cloud")]
     [attempt] = out["route_log"][1]["attempts"]
@@ -371,13 +389,14 @@ async def test_every_inference_sends_the_completion_budget(
     assert [r["extra"]["max_tokens"] for r in out["route_log"]] == [300, 300]
 
 
+@pytest.mark.parametrize("way", WAYS)
 async def test_cloud_failing_the_plan_runs_the_plan_on_local(
-    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver, way: str
 ) -> None:
     cloud.script(replies(Reply(status=500)))
     local.script(replies(calls("plan-on-local"), Reply(content="done locally")))
     rig = make_rig(cloud_model(cloud), local_model(local), saver)
-    out = await rig.turn()
+    out = await rig.turn(way=way)
 
     assert legs(out) == [("plan", "cloud", "local"), ("step", "local", "local")]
     plan = out["route_log"][0]
@@ -394,8 +413,9 @@ async def test_cloud_failing_the_plan_runs_the_plan_on_local(
 # --------------------------------------------------------------------------- everything fails
 
 
+@pytest.mark.parametrize("way", WAYS)
 async def test_all_providers_down_raises_then_resumes_from_the_checkpoint(
-    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver, way: str
 ) -> None:
     cloud.script(replies(calls("plan"), Reply(status=500)))
     local.script(replies(Reply(status=500)))
@@ -403,7 +423,7 @@ async def test_all_providers_down_raises_then_resumes_from_the_checkpoint(
         cloud_model(cloud), local_model(local), saver, provider_allowed_failures=0, provider_cooldown_s=0.5
     )
     with pytest.raises(ChainExhausted) as raised:
-        await rig.turn()
+        await rig.turn(way=way)
     message = str(raised.value)
     assert CLOUD_ID in message and LOCAL_ID in message and message.count("[server_error]") == 2
     assert [(a.provider, a.kind) for a in raised.value.attempts] == [
@@ -435,7 +455,7 @@ async def test_all_providers_down_raises_then_resumes_from_the_checkpoint(
     await wait_until(
         lambda: all(chain.health(p).state(time.monotonic()) == "half_open" for p in (CLOUD_ID, LOCAL_ID))
     )
-    out = await rig.turn(None)  # resume the interrupted turn from its checkpoint
+    out = await rig.turn(None, way=way)  # resume the interrupted turn from its checkpoint
 
     assert legs(out) == [
         ("plan", "cloud", "cloud"),
@@ -465,14 +485,17 @@ class ToFake(httpx.AsyncHTTPTransport):
         return await super().handle_async_request(request)
 
 
+@pytest.mark.parametrize("way", WAYS)
 async def test_costs_follow_the_provider_that_answered(
-    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver, monkeypatch: pytest.MonkeyPatch
+    cloud: FakeOpenAI, local: FakeOpenAI, saver: AsyncSqliteSaver, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
     for name in ("OPENAI_BASE_URL", "OPENAI_API_BASE"):
         monkeypatch.delenv(name, raising=False)
     # OpenAI's base URL (the catalogue prices a known model there; an unknown URL stays unpriced).
     http_client = httpx.AsyncClient(transport=ToFake(cloud), timeout=10)
-    priced_cloud = ChatOpenAI(model="gpt-4o-mini", api_key="x", max_retries=0, http_async_client=http_client)
+    priced_cloud = ChatOpenAI(
+        model="gpt-4o-mini", api_key="x", max_retries=0, http_async_client=http_client, stream_usage=True
+    )
     cloud.script(
         replies(calls("plan", prompt_tokens=2000, cached_tokens=500), calls("rescue", prompt_tokens=3000))
     )
@@ -486,7 +509,7 @@ async def test_costs_follow_the_provider_that_answered(
     rig = make_rig(
         priced_cloud, local_model(local), saver, local_price_per_mtok=(1.0, 2.0), override_provider=CLOUD_ID
     )
-    out = await rig.turn()
+    out = await rig.turn(way=way)
     await http_client.aclose()
 
     assert (await rig.chain()).override == CLOUD_ID

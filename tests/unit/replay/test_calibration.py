@@ -15,9 +15,12 @@ from fusion_graph.replay.calibration import (
     CalibrationError,
     ScoredStep,
     ShareCount,
+    TargetOf,
     Trace,
     best_plain_share,
     calibrate,
+    calibrate_many,
+    check_target,
     fit_quantiles,
     fit_threshold,
     fraction_at,
@@ -27,6 +30,7 @@ from fusion_graph.replay.calibration import (
     scored_steps,
     share_for,
     share_of,
+    shares_of,
     split_halves,
 )
 from fusion_graph.replay.traces import load_trajectories, replay_trajectory
@@ -305,3 +309,107 @@ def test_permutation_p_is_small_only_for_a_real_difference() -> None:
     mixed = permutation_p([1, 4, 5, 8, 9, 12], [2, 3, 6, 7, 10, 11], rounds=500)
     assert separated < 0.01
     assert mixed > 0.5
+
+
+# --------------------------------------------------------------------------- all steps, cost
+
+
+def priced(traces: list[Trace], cloud: float = 1.0, local: float = 0.0) -> list[Trace]:
+    """``traces`` with every step priced ``cloud`` USD on cloud and ``local`` USD locally."""
+    return [[dataclasses.replace(s, cloud_cost=cloud, local_cost=local) for s in trace] for trace in traces]
+
+
+def test_shares_count_all_steps_continuations_plans_and_cost() -> None:
+    traces = priced(random_traces(5, count=20), cloud=2.0, local=0.5)
+    context = FusionContext(cloud_share=40)
+    shares = shares_of(traces, context)
+    legs = [[d.leg for d in route_scores(t, context)] for t in traces]
+    steps = [(s.step, leg) for t, ls in zip(traces, legs, strict=True) for s, leg in zip(t, ls, strict=True)]
+    assert shares.all == ShareCount(len(steps), sum(leg == "cloud" for _, leg in steps))
+    assert shares.continuation == share_of(traces, context)
+    plans = [leg for step, leg in steps if step == 0]
+    assert shares.plans == ShareCount(len(plans), len(plans))  # every plan on cloud at cloud_share > 0
+    assert shares.cost == pytest.approx(2.0 * shares.all.cloud + 0.5 * (shares.all.steps - shares.all.cloud))
+    assert shares.all_cloud_cost == pytest.approx(2.0 * len(steps))
+    assert shares.fraction("all") == shares.all.fraction
+    assert shares.fraction("continuation") == shares.continuation.fraction
+    assert shares.fraction("cost") == shares.cost_fraction
+    unpriced = shares_of(random_traces(5, count=20), context)
+    assert (unpriced.cost, unpriced.cost_fraction) == (None, None)
+
+
+def test_an_all_steps_target_searches_the_share_with_the_same_table_and_pace() -> None:
+    traces = random_traces(8, count=40)
+    context = FusionContext(pace_slack=0.5)
+    floor = shares_of(traces, dataclasses.replace(context, cloud_share=1)).plans
+    total = shares_of(traces, context).all.steps
+    target = round((floor.steps / total + 1) / 2, 2)  # halfway between the plans' floor and 1
+    found = calibrate(traces, target, context, of="all")
+    assert found.of == "all" and found.shares is not None
+    assert found.context.score_quantiles == fit_quantiles(traces, 10)
+    assert found.context.pace_slack == 0.5
+    assert found.achieved == shares_of(traces, found.context).all.fraction == found.shares.all.fraction
+    errors = {
+        s: abs(shares_of(traces, dataclasses.replace(found.context, cloud_share=s)).all.fraction - target)
+        for s in range(101)
+    }
+    assert errors[found.context.cloud_share] == min(errors.values())
+    assert found.unreachable() is None
+    # The continuation share it gives sits below: plans take part of the all-steps share.
+    assert found.shares.continuation.fraction < found.achieved
+
+
+def test_an_all_steps_target_below_the_plans_floor_is_unreachable_and_says_why() -> None:
+    traces = random_traces(8, count=40)
+    found = calibrate(traces, 0.1, FusionContext(), of="all")
+    assert found.floor is not None and found.floor > 0.2
+    assert found.context.cloud_share in (0, 1)  # the closest the dial can get
+    reason = found.unreachable()
+    assert reason is not None
+    assert "no cloud_share gives 0.10 of all steps" in reason
+    assert "Plans (step 0 of each turn) run on cloud whenever cloud_share > 0" in reason
+    assert f"at least {found.floor:.2f}" in reason
+    # A continuation target is never called unreachable, and 0 is always reachable.
+    assert calibrate(traces, 0.05, FusionContext()).unreachable() is None
+    zero = calibrate(traces, 0.0, FusionContext(), of="all")
+    assert (zero.context.cloud_share, zero.achieved, zero.unreachable()) == (0, 0.0, None)
+
+
+def test_a_cost_target_prices_each_step_on_its_leg() -> None:
+    traces = priced(random_traces(8, count=40), cloud=3.0, local=0.0)
+    found = calibrate(traces, 0.7, FusionContext(pace_slack=0.5), of="cost")
+    assert found.shares is not None
+    assert found.achieved == found.shares.cost_fraction == pytest.approx(found.shares.all.fraction)
+    assert abs(found.achieved - 0.7) <= 0.05
+    with pytest.raises(CalibrationError, match="cost target needs the cloud model's price"):
+        calibrate(random_traces(8, count=40), 0.7, FusionContext(), of="cost")
+
+
+def test_calibrate_many_fits_once_and_matches_calibrate() -> None:
+    traces = random_traces(9, count=30)
+    context = FusionContext(pace_slack=0.5)
+    for of in ("continuation", "all"):
+        many = calibrate_many(traces, [0.2, 0.6, 0.9], context, of=of)
+        single = [calibrate(traces, t, context, of=of) for t in (0.2, 0.6, 0.9)]
+        assert [(c.context, c.achieved) for c in many] == [(c.context, c.achieved) for c in single]
+
+
+@pytest.mark.parametrize(
+    ("of", "message"), [("cost", "target cost fraction"), ("all", "target cloud fraction")]
+)
+def test_targets_outside_0_1_are_refused_for_every_kind(of: TargetOf, message: str) -> None:
+    with pytest.raises(CalibrationError, match=f"{message} must be between 0 and 1"):
+        check_target(1.2, of)
+    with pytest.raises(CalibrationError, match="fraction of one of"):
+        check_target(0.2, "tokens")  # type: ignore[arg-type]
+
+
+def test_scored_steps_carry_costs_for_cost_targets(tmp_path: Path) -> None:
+    trajectory = load_trajectories([write_traces(tmp_path / "tiny.jsonl")])[0]
+    replayed = replay_trajectory(trajectory, FusionContext()).steps
+    costs = [(float(i), 0.5) for i in range(len(replayed))]
+    steps = scored_steps(replayed, costs)
+    assert [(s.cloud_cost, s.local_cost) for s in steps] == costs
+    assert [s.score for s in steps] == [s.score for s in scored_steps(replayed)]
+    with pytest.raises(CalibrationError, match="step costs"):
+        scored_steps(replayed, costs[:-1])

@@ -1,0 +1,311 @@
+"""The live view of ``fusion-graph run``: one compact row per inference, readable at 80 columns.
+
+It is fed by events (plain dicts), so a recorded stream renders the same table:
+
+- ``fusion_route`` (the graph's custom stream): a ``decision`` before each
+  inference (the row appears, running), an ``outcome`` after it (who answered,
+  failed attempts, tokens, cost, ``extra.latency_s``), and ``compaction``
+  notes. An event without a ``phase`` is an outcome.
+- ``fusion_answer`` (made by ``run_task`` from the executor's state update):
+  the tools the answer called and its ``finish_reason`` (``"length"``: cut at
+  ``max_tokens``).
+- ``fusion_tokens`` (made by ``run_task`` from ``stream_mode="messages"`` on a
+  terminal): streamed chunks of the running inference, for the ticker.
+
+The long routing reason is shown below the table for the last step only (all
+steps with ``details``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+ROUTE_EVENT = "fusion_route"  # the executor's event name (kept literal: no import of the node layer)
+ANSWER_EVENT = "fusion_answer"
+TOKENS_EVENT = "fusion_tokens"
+#: Marks an answer cut at ``max_tokens`` in the tools column.
+CUT = "(cut)"
+CUT_NOTE = (
+    f"{CUT}: the answer stopped at max_tokens (finish_reason 'length'); "
+    "raise max_completion_tokens in --context"
+)
+#: Short labels of failed attempts by error class (an HTTP status in the message wins).
+_ERROR_LABELS = {
+    "rate_limited": "429",
+    "timeout": "timeout",
+    "connection": "down",
+    "server_error": "5xx",
+    "misconfigured": "auth",
+    "malformed_response": "garbled",
+    "context_overflow": "overflow",
+}
+_STATUS = re.compile(r"\b(?:Error code|status(?: code)?)[:= ]+([1-5]\d\d)\b", re.IGNORECASE)
+
+
+def attempt_label(attempt: Mapping[str, Any]) -> str:
+    """``"503"``, ``"timeout"``...: why one attempt failed, in a word."""
+    found = _STATUS.search(str(attempt.get("message") or ""))
+    if found:
+        return found.group(1)
+    kind = str(attempt.get("kind") or "")
+    return _ERROR_LABELS.get(kind, kind or "failed")
+
+
+@dataclass
+class StepRow:
+    """One inference as the events describe it so far."""
+
+    turn: int
+    step: int
+    kind: str
+    routed_leg: str
+    leg: str | None = None
+    score: int | None = None
+    threshold: float | None = None
+    reason: str = ""
+    provider: str | None = None
+    attempts: list[Mapping[str, Any]] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost_usd: float | None = None
+    latency_s: float | None = None
+    started: float | None = None
+    streamed: int = 0
+    tools: list[str] | None = None
+    truncated: bool = False
+    done: bool = False
+    failed: bool = False
+
+    def leg_text(self) -> str:
+        """``local``, ``cloud 503 → local``, ``local …`` (running) or ``cloud ✗`` (nobody answered)."""
+        if not self.done:
+            return f"{self.routed_leg} …"
+        first = self.attempts[0] if self.attempts else None
+        tried = (
+            self.routed_leg
+            if first is None
+            else f"{first.get('leg', self.routed_leg)} {attempt_label(first)}"
+        )
+        if self.failed:
+            return f"{tried} ✗"
+        leg = self.leg or self.routed_leg
+        return leg if first is None and leg == self.routed_leg else f"{tried} → {leg}"
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _tokens(value: int | None) -> str:
+    if value is None:
+        return "-"
+    return str(value) if value < 10_000 else f"{value / 1000:.0f}k"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}s" if value < 9.95 else f"{value:.0f}s"
+
+
+def _cost(value: float | None) -> str:
+    return "-" if value is None else f"${value:.6f}"
+
+
+@dataclass
+class StepTable:
+    """The rows of a run, updated from events; ``render()`` draws them.
+
+    Attributes:
+        rows: By ``(turn, step, kind)``, in order of first event.
+        details: Show every step's reason below the table, not only the last one's.
+        clock: Monotonic seconds, for the running step's elapsed time.
+        last: The row of the latest decision or outcome (its reason is shown).
+        turn: The latest turn seen; rows of other turns show ``turn.step``.
+    """
+
+    rows: dict[tuple[int, int, str], StepRow] = field(default_factory=dict)
+    details: bool = False
+    clock: Callable[[], float] = time.monotonic
+    last: tuple[int, int, str] | None = None
+    turn: int = 0
+
+    def apply(self, event: Mapping[str, Any]) -> None:
+        """Add or complete a row; events of other kinds are ignored."""
+        name = event.get("event")
+        if name == TOKENS_EVENT:
+            self._tokens(event)
+            return
+        if name not in (ROUTE_EVENT, ANSWER_EVENT):
+            return
+        key = (int(event.get("turn", 0)), int(event.get("step", 0)), str(event.get("kind", "step")))
+        row = self.rows.get(key)
+        if row is None:
+            routed = str(event.get("routed_leg") or event.get("leg") or "?")
+            row = self.rows[key] = StepRow(*key, routed_leg=routed, started=self.clock())
+        if name == ANSWER_EVENT:
+            row.tools = [str(tool) for tool in event.get("tools") or ()]
+            row.truncated = event.get("finish_reason") == "length"
+            return
+        if key[2] != "memory":
+            self.turn = max(self.turn, key[0])
+        self.last = key
+        row.score = event.get("score", row.score)
+        row.threshold = event.get("threshold", row.threshold)
+        row.reason = str(event.get("reason") or row.reason)
+        if event.get("phase", "outcome") == "outcome":
+            self._outcome(row, event)
+
+    def _outcome(self, row: StepRow, event: Mapping[str, Any]) -> None:
+        row.done = True
+        row.leg = event.get("leg")
+        row.provider = event.get("provider")
+        row.attempts = list(event.get("attempts") or ())
+        row.failed = row.provider is None and bool(row.attempts)
+        row.prompt_tokens = event.get("prompt_tokens")
+        row.cached_tokens = event.get("cached_tokens")
+        row.completion_tokens = event.get("completion_tokens")
+        row.cost_usd = event.get("cost_usd")
+        latency = (event.get("extra") or {}).get("latency_s")
+        if latency is None and row.started is not None:
+            latency = self.clock() - row.started
+        row.latency_s = latency
+
+    def _tokens(self, event: Mapping[str, Any]) -> None:
+        key = (int(event.get("turn", self.turn)), int(event.get("step", 0)), str(event.get("kind", "step")))
+        row = self.rows.get(key)
+        if row is not None and not row.done:
+            row.streamed += int(event.get("chunks", 1))
+
+    @property
+    def running(self) -> StepRow | None:
+        """The inference in flight, if any."""
+        return next((row for row in reversed(self.rows.values()) if not row.done), None)
+
+    def _step(self, row: StepRow) -> str:
+        return str(row.step) if row.turn == self.turn else f"{row.turn}.{row.step}"
+
+    def _time(self, row: StepRow) -> str:
+        if row.done:
+            return "-" if row.latency_s is None else _seconds(row.latency_s)
+        return _seconds(self.clock() - (row.started or self.clock()))
+
+    def _tools(self, row: StepRow) -> str:
+        if not row.done:
+            return f"running, {row.streamed} tok" if row.streamed else "running"
+        counts = {name: (row.tools or []).count(name) for name in row.tools or ()}
+        names = ", ".join(name if n == 1 else f"{name} ×{n}" for name, n in counts.items())
+        if row.truncated:
+            return f"{CUT} {names}".rstrip()
+        return names or "-"
+
+    def table(self, width: int | None = None) -> Table:
+        """The compact table: step, kind, leg, score/T, tokens (prompt/cached), time, tools, cost.
+
+        Args:
+            width: Columns available; under 100 a fallover's leg wraps after the failed attempt
+                (``cloud 503 →`` / ``local``) so the tools keep their room.
+        """
+        table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold")
+        table.add_column("step", justify="right", no_wrap=True)
+        table.add_column("kind", no_wrap=True)
+        table.add_column("leg", width=13 if width is None or width < 100 else None)
+        table.add_column("score", justify="right", no_wrap=True)
+        table.add_column("tokens", justify="right", no_wrap=True)
+        table.add_column("time", justify="right", no_wrap=True)
+        table.add_column("tools", overflow="fold", min_width=15)
+        table.add_column("cost", justify="right", no_wrap=True)
+        for row in self.rows.values():
+            leg = row.leg or row.routed_leg
+            style = "red" if row.failed else "magenta" if leg == "cloud" else "cyan"
+            score = _num(row.score) if row.threshold is None else f"{_num(row.score)}/{_num(row.threshold)}"
+            table.add_row(
+                self._step(row),
+                row.kind,
+                Text(row.leg_text(), style=style),
+                score,
+                f"{_tokens(row.prompt_tokens)}/{_tokens(row.cached_tokens)}",
+                self._time(row),
+                self._tools(row),
+                _cost(row.cost_usd),
+            )
+        return table
+
+    def notes(self) -> list[RenderableType]:
+        """The reasons (last step, or all with ``details``), the running ticker and the cut legend."""
+        lines: list[RenderableType] = []
+        shown = list(self.rows.values()) if self.details else [self.rows[self.last]] if self.last else []
+        for row in shown:
+            who = row.provider or (f"the {row.routed_leg} leg" if not row.done else "no provider")
+            kind = "" if row.kind == "step" else f" {row.kind}"
+            lines.append(Text(f"step {self._step(row)}{kind} on {who}: {row.reason or '-'}", style="dim"))
+        running = self.running
+        if running is not None:
+            kind = "" if running.kind == "step" else f" {running.kind}"
+            text = f"step {self._step(running)}{kind} on {running.routed_leg}: {self._time(running)}"
+            if running.streamed:
+                text += f", {running.streamed} tokens streamed"
+            lines.append(Spinner("dots", text=text))
+        if any(row.truncated for row in self.rows.values()):
+            lines.append(Text(CUT_NOTE, style="yellow"))
+        return lines
+
+    def render(self) -> RenderableType:
+        """The table and its notes: a renderable drawn afresh at each refresh of a ``Live`` display."""
+        return self
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """Draw the current rows at the console's width (the ticker's elapsed time moves); none: nothing."""
+        if self.rows:
+            yield Group(self.table(options.max_width), *self.notes())
+
+
+# -- after the turn -------------------------------------------------------------------
+
+
+def provider_summary(totals: Mapping[str, Any]) -> Table:
+    """Per answering provider, then per leg and in total: inferences, tokens and cost."""
+    table = Table(title="per provider", title_justify="left", box=None, pad_edge=False, header_style="bold")
+    for name in ("provider", "inferences", "prompt", "cached", "completion", "cost"):
+        table.add_column(name, justify="left" if name == "provider" else "right", no_wrap=name != "provider")
+    rows = [*sorted(totals["by_provider"].items()), ("local leg", totals["local"])]
+    for name, leg in [*rows, ("cloud leg", totals["cloud"]), ("total", totals["total"])]:
+        cost = _cost(leg["cost_usd"]) + (f" (+{leg['unpriced']} unpriced)" if leg["unpriced"] else "")
+        table.add_row(
+            Text(name, style="bold" if name == "total" else ""),
+            str(leg["inferences"]),
+            str(leg["prompt_tokens"]),
+            str(leg["cached_tokens"]),
+            str(leg["completion_tokens"]),
+            cost,
+        )
+    return table
+
+
+def print_result(console: Console, result: Any) -> None:
+    """After the live table: the answer (flagged when cut at max_tokens), costs and cloud shares.
+
+    Args:
+        console: Where to print.
+        result: A ``cli.run.RunResult``.
+    """
+    from fusion_graph.cli.common import CloudShare
+
+    console.print()
+    console.print(Text("answer", style="bold"))
+    console.print(
+        result.answer if result.answer is not None else "(no answer)", highlight=False, markup=False
+    )
+    if result.truncated:
+        console.print(Text(f"{CUT} this answer stopped at max_tokens: it may be incomplete", style="yellow"))
+    console.print()
+    console.print(provider_summary(result.totals))
+    console.print(CloudShare.of(result.route_log).line(), highlight=False)

@@ -1,0 +1,101 @@
+"""The ``fusion-graph`` entry point: ``--version``, ``--help`` as a process, and lazy command modules."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusion_graph import __version__
+from fusion_graph.cli.app import app
+from tests.unit.cli.test_traces import runner
+
+CLI = Path(__file__).resolve().parents[3] / "fusion_graph" / "cli"
+#: Command modules that import only the standard library, typer, rich and each other at import time,
+#: so ``--help`` does not load LangGraph, LangChain or the provider SDKs.
+LAZY_MODULES = (
+    "app.py",
+    "checks.py",
+    "common.py",
+    "doctor.py",
+    "live.py",
+    "report.py",
+    "run.py",
+    "stores.py",
+    "traces.py",
+)
+ALLOWED_TOP_LEVEL = {"typer", "rich", "fusion_graph"}
+
+
+def test_version_prints_the_package_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout == f"fusion-graph {__version__}\n"
+
+
+def test_help_as_a_process_lists_the_commands() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "fusion_graph", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "100"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage: fusion-graph" in done.stdout and "--version" in done.stdout
+    for command in ("run", "replay", "calibrate", "report"):
+        assert f" {command} " in done.stdout
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """Modules imported at import time (outside functions and ``if TYPE_CHECKING:``)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for child in ast.walk(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                break
+            if isinstance(child, ast.Import):
+                names.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names.add(child.module)
+    return names
+
+
+@pytest.mark.parametrize("name", LAZY_MODULES)
+def test_command_modules_import_heavy_dependencies_only_when_a_command_runs(name: str) -> None:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    for module in module_level_imports(CLI / name):
+        top = module.split(".")[0]
+        assert top in stdlib or top in ALLOWED_TOP_LEVEL, f"{name} imports {module} at import time"
+        if top == "fusion_graph":
+            # fusion_graph.redact needs the standard library only
+            light = module.startswith("fusion_graph.cli") or module == "fusion_graph.redact"
+            assert light, f"{name} imports {module} at import time"
+
+
+def test_help_loads_no_graph_runtime() -> None:
+    """``--help`` imports neither LangGraph nor LangChain (what made it take seconds)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fusion_graph", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = {
+        line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert not {m for m in loaded if m.split(".")[0] in {"langgraph", "langchain_core", "openai", "httpx"}}
+
+
+def test_the_cli_default_pace_is_the_calibrations() -> None:
+    from fusion_graph.cli import traces
+    from fusion_graph.replay import calibration
+
+    assert traces.CALIBRATED_PACE_SLACK == calibration.CALIBRATED_PACE_SLACK

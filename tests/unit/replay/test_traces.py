@@ -1,0 +1,147 @@
+"""Trace helpers: where the traces are, the summary's two shares and its note on plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fusion_graph.context import FusionContext
+from fusion_graph.providers.pricing import TokenPrices
+from fusion_graph.replay.calibration import scored_steps, shares_of
+from fusion_graph.replay.traces import (
+    SHARED_TRACES,
+    TRACES_ENV,
+    StepPrices,
+    is_paced,
+    load_trajectories,
+    plan_note,
+    replay_trajectory,
+    repository_root,
+    shared_traces,
+    step_costs,
+    summarize,
+)
+
+REPO = Path(__file__).parents[3]
+
+
+def make_checkout(root: Path) -> Path:
+    """A directory that looks like a fusion-graph checkout, with traces beside it."""
+    (root / "repo" / "fusion_graph").mkdir(parents=True)
+    (root / "repo" / "pyproject.toml").write_text("[project]\nname = 'fusion-graph'\n")
+    (root / "repo" / "notebooks").mkdir()
+    traces = root / "shared" / "data" / "traces"
+    traces.mkdir(parents=True)
+    (traces / "t.jsonl").write_text("{}\n")
+    return root / "repo"
+
+
+def test_repository_root_is_found_from_any_directory_inside_it(tmp_path: Path) -> None:
+    repo = make_checkout(tmp_path)
+    assert repository_root(repo / "notebooks") == repo
+    assert repository_root(repo) == repo
+    assert repository_root(REPO / "notebooks") == REPO
+    # Outside any checkout: the checkout this package was imported from (an editable install).
+    assert repository_root(tmp_path) == REPO
+
+
+def test_shared_traces_default_is_beside_the_repository_root_whatever_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    repo = make_checkout(tmp_path)
+    expected = (tmp_path / "shared" / "data" / "traces").resolve()
+    assert shared_traces({}, start=repo / "notebooks") == expected
+    assert shared_traces({}, start=repo) == expected
+    assert shared_traces({TRACES_ENV: ""}, start=repo) == expected  # empty: the default
+
+
+def test_shared_traces_reads_the_environment_variable(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "mine"
+    elsewhere.mkdir()
+    (elsewhere / "x.jsonl").write_text("{}\n")
+    assert shared_traces({TRACES_ENV: str(elsewhere)}, start=tmp_path) == elsewhere.resolve()
+
+
+def test_missing_traces_name_the_variable_and_the_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"shared traces .*missing") as given:
+        shared_traces({TRACES_ENV: str(tmp_path / "missing")})
+    assert TRACES_ENV in str(given.value) and "from FUSION_TRACES_DIR" in str(given.value)
+    repo = make_checkout(tmp_path / "bare")
+    (tmp_path / "bare" / "shared" / "data" / "traces" / "t.jsonl").unlink()
+    with pytest.raises(FileNotFoundError) as default:
+        shared_traces({}, start=repo)
+    message = str(default.value)
+    assert str(SHARED_TRACES) in message and f"set {TRACES_ENV}" in message
+    assert str((tmp_path / "bare" / "shared" / "data" / "traces").resolve()) in message
+
+
+def tool_call(call_id: str) -> dict[str, object]:
+    return {"id": call_id, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+
+
+def write_traces(path: Path) -> Path:
+    lines = []
+    for index in range(6):
+        messages: list[dict[str, object]] = []
+        for turn in range(1 + index % 2):
+            messages.append({"role": "user", "content": f"task {index}.{turn}"})
+            for step in range(1 + index % 3):
+                messages.append(
+                    {"role": "assistant", "content": "", "tool_calls": [tool_call(f"{turn}{step}")]}
+                )
+                messages.append(
+                    {"role": "tool", "tool_call_id": f"{turn}{step}", "content": "z" * 400 * step}
+                )
+            messages.append({"role": "assistant", "content": "done"})
+        lines.append(json.dumps({"id": f"r{index}", "messages": messages}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+PRICES = StepPrices(TokenPrices(1.0, 2.0, None), TokenPrices(0.1, 0.1, 0.1))
+
+
+@pytest.mark.parametrize(
+    "context", [FusionContext(cloud_share=30), FusionContext(cloud_share=40, pace_slack=0.5)]
+)
+def test_summary_shows_both_shares_and_says_plans_run_on_cloud(
+    tmp_path: Path, context: FusionContext
+) -> None:
+    replays = [replay_trajectory(t, context) for t in load_trajectories([write_traces(tmp_path / "t.jsonl")])]
+    out = summarize(replays, PRICES)
+    rows = [s for t in out["trajectories"] for s in t["steps"]]
+    plans = [s for s in rows if s["step"] == 0]
+    assert out["plan_steps"] == len(plans) == out["steps"] - out["continuation_steps"]
+    assert out["plan_cloud_steps"] == len(plans)  # cloud_share > 0: every plan on cloud
+    assert out["continuation_cloud_steps"] == sum(s["leg"] == "cloud" for s in rows if s["step"] > 0)
+    assert out["cloud_steps"] == out["plan_cloud_steps"] + out["continuation_cloud_steps"]
+    assert out["paced_steps"] == sum(s["paced"] for s in rows)
+    assert out["note"] == plan_note(out["steps"], len(plans), len(plans))
+    assert out["note"].startswith("plans (step 0 of each turn) run on cloud whenever cloud_share > 0: ")
+    assert f"{len(plans)} of {out['steps']} steps are plans" in out["note"]
+    assert out["cost_fraction"] == round(out["cost_usd"] / out["all_cloud_cost_usd"], 4)
+    # The same numbers as calibration's shares (the same routing, the same prices).
+    shares = shares_of([scored_steps(r.steps, step_costs(r, PRICES)) for r in replays], context)
+    assert (shares.all.steps, shares.all.cloud) == (out["steps"], out["cloud_steps"])
+    assert (shares.continuation.steps, shares.continuation.cloud) == (
+        out["continuation_steps"],
+        out["continuation_cloud_steps"],
+    )
+    assert shares.cost == pytest.approx(out["cost_usd"])
+    assert shares.all_cloud_cost == pytest.approx(out["all_cloud_cost_usd"])
+    if context.pace_slack is not None:
+        assert out["paced_steps"] > 0
+        assert all(
+            is_paced(s.decision) == ("; paced to " in s.decision.reason) for r in replays for s in r.steps
+        )
+
+
+def test_plan_note_at_cloud_share_0_says_no_plan_is_on_cloud() -> None:
+    note = plan_note(10, 4, 0)
+    assert note == (
+        "plans (step 0 of each turn) run on cloud whenever cloud_share > 0: 4 of 10 steps are plans, "
+        "0 of them on cloud here"
+    )
+    assert plan_note(10, 4, 4).endswith("so at least 0.40 of all steps go to cloud")
