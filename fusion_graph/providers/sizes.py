@@ -139,6 +139,12 @@ def overflowed(exhausted: ChainExhausted) -> bool:
     return any(attempt.kind == "context_overflow" for attempt in exhausted.attempts)
 
 
+#: Appended tokens past which llama-server counts the local prompt itself (``/tokenize``): the
+#: estimator is a few percent off on most text but up to a quarter low on digit-heavy code, and
+#: context pressure, the score's largest term, rests on this number.
+SERVER_COUNT_OVER = 512
+
+
 class Sizer:
     """Measures steps for one graph: its resolver, tools and token estimator."""
 
@@ -220,7 +226,8 @@ class Sizer:
                 )
                 if anchor is None:
                     unanchored = estimate
-            if estimate.basis == "approximate" and link.leg == "local" and context.mode != "cloud":
+            unsure = estimate.basis == "approximate" or estimate.appended > SERVER_COUNT_OVER
+            if unsure and link.leg == "local" and context.mode != "cloud":
                 counted = await self._server_count(link, context.system_prompt, messages)
                 if counted is not None:
                     estimate = Estimate(counted, "server")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from langchain_core.messages import BaseMessage
@@ -40,15 +40,17 @@ class Estimate:
 
     tokens: int
     basis: Basis
+    appended: int = field(default=0, compare=False)
+    """Estimated tokens appended since the anchor (``anchored`` only): what the estimator guessed."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for state and records."""
-        return {"tokens": self.tokens, "basis": self.basis}
+        return {"tokens": self.tokens, "basis": self.basis, "appended": self.appended}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Estimate:
         """The inverse of ``as_dict``."""
-        return cls(int(data["tokens"]), data["basis"])
+        return cls(int(data["tokens"]), data["basis"], int(data.get("appended", 0)))
 
 
 def fingerprint(system_prompt: str, tools: Sequence[BaseTool | dict[str, Any]]) -> str:
@@ -81,7 +83,8 @@ def leg_estimate(
     """The prompt of a step on one leg: anchored when the anchor holds, else approximated."""
     if anchor is not None and anchor_holds(anchor, messages, key):
         appended = messages[anchor["messages"] :]
-        return Estimate(anchor["prompt_tokens"] + (count_tokens(appended) if appended else 0), "anchored")
+        added = count_tokens(appended) if appended else 0
+        return Estimate(anchor["prompt_tokens"] + added, "anchored", added)
     return Estimate(prompt_estimate(system_prompt, messages, tools, count_tokens), "approximate")
 
 

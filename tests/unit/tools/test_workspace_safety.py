@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,12 +116,13 @@ def test_a_run_root_swapped_for_a_symlink_mid_race_never_reaches_outside(ws: Pat
             real.symlink_to(tmp_path / "outside")
             real.unlink()
             parked.rename(real)
+            time.sleep(0.0002)  # the real directory stays in place a moment: some reads go through
 
     swapper = threading.Thread(target=swap)
     swapper.start()
     seen: list[str] = []
     try:
-        for _ in range(400):
+        for _ in range(1000):
             with contextlib.suppress(WorkspaceError):
                 seen.append(_read(root, "a.txt", 1, None))
     finally:
