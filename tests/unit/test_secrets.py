@@ -197,6 +197,45 @@ async def test_an_exhausted_chain_leaves_no_key_anywhere(
     assert_nowhere(key, texts, blobs)
 
 
+def echo_400(key: str) -> Reply:
+    """A 400 whose body repeats the key (a request the provider refuses: no fallover)."""
+    body = {"error": {"message": f"Invalid parameter for key {key}", "type": "invalid_request_error"}}
+    return Reply(status=400, raw=json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["ainvoke", "messages"])
+async def test_a_refused_request_echoing_the_key_leaves_it_nowhere(
+    key: str,
+    run: Run,
+    cloud: FakeOpenAI,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    streamed: bool,
+) -> None:
+    cloud.script([echo_400(key)])
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(ProviderRequestError) as raised:
+        if streamed:
+            stream = run.graph.astream(
+                {"messages": [("user", "plan it")]}, run.config, context=run.context, stream_mode="messages"
+            )
+            async for event in stream:
+                run.events.append(event)
+        else:
+            await run.turn("plan it")
+    error = raised.value
+    assert error.__cause__ is None and error.__context__ is None
+    texts = await run.texts()
+    texts |= {
+        "logs": caplog.text,
+        "str(error)": str(error),
+        "notes": repr(getattr(error, "__notes__", [])),
+        "traceback": "".join(traceback.format_exception(error)),
+    }
+    assert REDACTED in texts["str(error)"]
+    assert_nowhere(key, texts, database_bytes(tmp_path))
+
+
 async def test_a_cloud_failure_in_route_log_leaves_no_key_anywhere(
     key: str, run: Run, cloud: FakeOpenAI, local: FakeOpenAI, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -74,3 +74,42 @@ def test_as_a_process_the_error_is_one_line_on_stderr(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "no checkpoint database at" in one_line_error(done.stderr) and "Traceback" not in done.stderr
+
+
+def test_a_provider_echoing_the_key_never_reaches_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json as json_module
+
+    from langchain_openai import ChatOpenAI
+
+    from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+
+    key = "sk-cli-" + "secretvalue" * 3
+    body = {"error": {"message": f"Invalid parameter for key {key}", "type": "invalid_request_error"}}
+    with FakeOpenAI([Reply(status=400, raw=json_module.dumps(body).encode())]) as cloud:
+
+        async def models(
+            context: FusionContext, settings: FusionSettings
+        ) -> tuple[BaseChatModel, BaseChatModel]:
+            echoing = ChatOpenAI(model="gpt-4o-mini", base_url=cloud.base_url, api_key=key, max_retries=0)
+            return echoing, scripted("local", ["never"])
+
+        monkeypatch.setattr(cli_run, "MODELS", models)
+        result = runner.invoke(
+            app,
+            [
+                "run",
+                "plan it",
+                "--workspace",
+                str(tmp_path),
+                "--db",
+                str(tmp_path / "t.sqlite"),
+                "--new-thread",
+            ],
+        )
+    assert result.exit_code == 2
+    assert key not in result.stderr + result.stdout
+    assert "ProviderRequestError" in result.stderr or "refused the request" in result.stderr
+    assert "[REDACTED]" in result.stderr
+    assert key.encode() not in (tmp_path / "t.sqlite").read_bytes()
