@@ -48,8 +48,11 @@ from fusion_graph.turn import last_batch, pending_calls, wants_tools
 GRAPH_NAME = "fusion"
 
 
-def after_model(state: State, runtime: Runtime[FusionContext]) -> str | list[Send]:
-    """Runnable calls go to ``tools`` (one task each); a rejected batch to ``route``; a reply ends."""
+async def after_model(state: State, runtime: Runtime[FusionContext]) -> str | list[Send]:
+    """Runnable calls go to ``tools`` (one task each); a rejected batch to ``route``; a reply ends.
+
+    Async like every node: LangGraph would run a sync edge on a worker thread each step.
+    """
     if state.get("stall"):
         return "unavailable"
     messages = state["messages"]
