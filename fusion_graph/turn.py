@@ -7,8 +7,6 @@ routing rule (``fusion_graph.routing``).
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +19,7 @@ from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.routing import Leg, Pace, RouteDecision, StepScore, StepSignals, decide_leg, score_step
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.fit import conversation_budget
+from fusion_graph.sizing.history_memo import HistoryMemo
 from fusion_graph.sizing.tokens import (
     CUT_KEY,
     TokenCounter,
@@ -47,9 +46,7 @@ def _scan_start(messages: Sequence[BaseMessage], stop: int = -1) -> int | None:
 #: Histories whose turn start was found, by the identity of their first message: the messages
 #: and the index. A history that extends a remembered one (the same message objects, or equal
 #: ones) is searched only past it; a step does not walk its turn back to the user's message.
-_STARTS: OrderedDict[int, tuple[list[BaseMessage], int]] = OrderedDict()
-_STARTS_LIMIT = 16
-_STARTS_LOCK = threading.Lock()
+_STARTS: HistoryMemo[int] = HistoryMemo()
 
 
 def turn_start(messages: Sequence[BaseMessage]) -> int:
@@ -60,27 +57,19 @@ def turn_start(messages: Sequence[BaseMessage]) -> int:
     if not messages:
         return 0
     items = messages if isinstance(messages, list) else list(messages)
-    key = id(items[0])
-    with _STARTS_LOCK:
-        known = _STARTS.get(key)
-        if known is not None and known[0][0] is items[0]:
-            seen, start = known
-            shared = min(len(seen), len(items))
-            if seen[:shared] == items[:shared]:  # the same (or equal) messages: their start holds
-                _STARTS.move_to_end(key)
-                if shared < len(items):
-                    later = _scan_start(items, shared - 1)
-                    start = start if later is None else later
-                    _STARTS[key] = (list(items), start)
-                    return start
-                if start < shared:
-                    return start
-        start = _scan_start(items) or 0
-        _STARTS[key] = (list(items), start)
-        _STARTS.move_to_end(key)
-        if len(_STARTS) > _STARTS_LIMIT:
-            _STARTS.popitem(last=False)
-        return start
+    known = _STARTS.find(items)
+    if known is not None:
+        shared, start = known
+        if shared < len(items):  # items extends the remembered history: search only what is new
+            later = _scan_start(items, shared - 1)
+            start = start if later is None else later
+            _STARTS.store(items, start)
+            return start
+        if start < shared:
+            return start
+    start = _scan_start(items) or 0
+    _STARTS.store(items, start)
+    return start
 
 
 def last_ai(messages: Sequence[BaseMessage]) -> AIMessage | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +20,8 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
+
+from fusion_graph.sizing.history_memo import HistoryMemo
 
 TokenCounter = Callable[[Sequence[BaseMessage]], int]
 
@@ -130,10 +131,7 @@ def _count(message: BaseMessage) -> int:
 #: of each prefix (``sums[i]`` covers the first ``i``). A history that starts with a remembered
 #: list (the same message objects, or equal ones) is summed from there, so a step costs its new
 #: messages plus one identity comparison of the history (in C), not a walk over it.
-_PREFIXES: OrderedDict[int, tuple[list[BaseMessage], list[int]]] = OrderedDict()
-#: Histories remembered (each keeps its messages alive until it is dropped).
-_PREFIXES_LIMIT = 16
-_PREFIXES_LOCK = threading.Lock()
+_PREFIXES: HistoryMemo[list[int]] = HistoryMemo()
 
 
 def _running_sums(messages: Sequence[BaseMessage], start: int = 0) -> list[int]:
@@ -155,25 +153,18 @@ def approximate_tokens(messages: Sequence[BaseMessage]) -> int:
     if not messages:
         return 0
     items = messages if isinstance(messages, list) else list(messages)
-    key = id(items[0])
-    with _PREFIXES_LOCK:
-        known = _PREFIXES.get(key)
-        if known is not None and known[0][0] is items[0]:
-            seen, sums = known
-            shared = min(len(seen), len(items))
-            if seen[:shared] == items[:shared]:  # the same (or equal) messages: their sums hold
-                _PREFIXES.move_to_end(key)
-                if shared == len(items):
-                    return sums[shared]
-                tail = _running_sums(items[shared:], sums[-1])
-                _PREFIXES[key] = (list(items), sums + tail)
-                return tail[-1]
-        sums = [0, *_running_sums(items)]
-        _PREFIXES[key] = (list(items), sums)
-        _PREFIXES.move_to_end(key)
-        if len(_PREFIXES) > _PREFIXES_LIMIT:
-            _PREFIXES.popitem(last=False)
-        return sums[-1]
+    known = _PREFIXES.find(items)
+    if known is not None:
+        shared, sums = known  # sums[i]: the first i messages
+        if shared == len(items):
+            return sums[shared]
+        if shared == len(sums) - 1:  # items extends the remembered history
+            tail = _running_sums(items[shared:], sums[-1])
+            _PREFIXES.store(items, sums + tail)
+            return tail[-1]
+    sums = [0, *_running_sums(items)]
+    _PREFIXES.store(items, sums)
+    return sums[-1]
 
 
 def tool_schemas(tools: Sequence[BaseTool | dict[str, Any]]) -> list[dict[str, Any]]:

@@ -11,8 +11,7 @@ notices* that raise the next step's score.
 from __future__ import annotations
 
 import json
-import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from langchain_core.tools import BaseTool
 from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
+from fusion_graph.sizing.history_memo import HistoryMemo
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,7 @@ def _count_calls(counts: Counter[str], messages: Sequence[BaseMessage]) -> Count
 #: Turns already counted, by the identity of their first message: the messages and the counts.
 #: A turn that extends a remembered one (the same message objects, or equal ones) counts only
 #: its new messages, so a step does not re-encode every earlier call of the turn.
-_COUNTED: OrderedDict[int, tuple[list[BaseMessage], Counter[str]]] = OrderedDict()
-_COUNTED_LIMIT = 16
-_COUNTED_LOCK = threading.Lock()
+_COUNTED: HistoryMemo[tuple[int, Counter[str]]] = HistoryMemo()
 
 
 def prior_call_counts(turn_messages: Sequence[BaseMessage]) -> Counter[str]:
@@ -82,23 +80,16 @@ def prior_call_counts(turn_messages: Sequence[BaseMessage]) -> Counter[str]:
     if not turn_messages:
         return Counter()
     items = turn_messages if isinstance(turn_messages, list) else list(turn_messages)
-    key = id(items[0])
-    with _COUNTED_LOCK:
-        known = _COUNTED.get(key)
-        if known is not None and known[0][0] is items[0]:
-            seen, counted = known
-            if len(seen) <= len(items) and seen == items[: len(seen)]:  # the same (or equal) messages
-                if len(seen) < len(items):  # the remembered counts are only ever read under the lock
-                    counted.update(_count_calls(Counter(), items[len(seen) :]))
-                    _COUNTED[key] = (list(items), counted)
-                _COUNTED.move_to_end(key)
-                return counted.copy()
-        counts = _count_calls(Counter(), items)
-        _COUNTED[key] = (list(items), counts.copy())
-        _COUNTED.move_to_end(key)
-        if len(_COUNTED) > _COUNTED_LIMIT:
-            _COUNTED.popitem(last=False)
-        return counts
+    known = _COUNTED.find(items)
+    if known is not None:
+        shared, (length, counted) = known
+        if length == shared:  # items extends (or is) the remembered turn: count only what is new
+            counts = _count_calls(counted.copy(), items[shared:])
+            _COUNTED.store(items, (len(items), counts))
+            return counts.copy()
+    counts = _count_calls(Counter(), items)
+    _COUNTED.store(items, (len(items), counts))
+    return counts.copy()
 
 
 def schema_error(tool: BaseTool, args: dict[str, Any]) -> str | None:
