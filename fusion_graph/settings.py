@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fusion_graph.paths import lexical_parts
 from fusion_graph.ranges import between, price, seconds
 
 ENV_PREFIX = "FUSION_"
@@ -245,16 +246,9 @@ def workspace_subpath(operator_root: str, requested: str) -> tuple[str, ...]:
         if target != base and not target.startswith(base.rstrip("/") + "/"):
             raise outside
         requested = posixpath.relpath(target, base)
-    parts: list[str] = []
-    for name in requested.split("/"):
-        if name in ("", "."):
-            continue
-        if name != "..":
-            parts.append(name)
-        elif parts:
-            parts.pop()
-        else:
-            raise outside
+    parts = lexical_parts(requested)
+    if parts is None:
+        raise outside
     return tuple(parts)
 
 

@@ -306,19 +306,11 @@ def to_pending(
     ``estimates``: the prompt estimate per leg the decision was measured with.
     """
     score = decision.score
-    breakdown = None
-    if score is not None:
-        breakdown = {
-            "context_pressure": score.context_pressure,
-            "turn_depth": score.turn_depth,
-            "transient_notice": score.transient_notice,
-            "tail_growth": score.tail_growth,
-        }
     choice = PendingRoute(
         step=step,
         leg=decision.leg,
         score=score.score if score is not None else None,
-        breakdown=breakdown,
+        breakdown=score.breakdown() if score is not None else None,
         threshold=decision.threshold,
         reason=decision.reason,
         signals=dict(vars(signals)),

@@ -9,7 +9,7 @@ from langchain_core.messages import AIMessage
 
 from fusion_graph.providers.chain import ChainOutcome
 from fusion_graph.providers.pricing import price
-from fusion_graph.routing import Leg, RouteDecision, StepScore, StepSignals
+from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.state import RouteRecord, StepKind
 
 
@@ -29,11 +29,6 @@ def timings_numbers(message: AIMessage) -> tuple[int | None, int | None, float |
     if not isinstance(timings, dict):
         return None, None, None
     return timings.get("prompt_n"), timings.get("cache_n"), timings.get("prompt_ms")
-
-
-def _breakdown(score: StepScore) -> dict[str, float]:
-    """``score.breakdown()`` without its deep copy (every term is a float)."""
-    return {name: value for name, value in vars(score).items() if name != "score"}
 
 
 def make_record(
@@ -67,7 +62,7 @@ def make_record(
         leg=leg,
         routed_leg=decision.leg,
         score=score.score if score is not None else None,
-        breakdown=_breakdown(score) if score is not None else None,
+        breakdown=score.breakdown() if score is not None else None,
         threshold=decision.threshold,
         reason=decision.reason,
         signals=dict(vars(signals)) if signals is not None else {},  # numbers and flags: no deep copy

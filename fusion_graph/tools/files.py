@@ -31,6 +31,8 @@ from typing import BinaryIO
 
 from langchain_core.tools import ToolException
 
+from fusion_graph.paths import lexical_parts
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # NOTE: O_NONBLOCK so that opening a FIFO returns at once; fstat then refuses it.
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -87,16 +89,9 @@ def split_relative(path: str) -> list[str]:
         raise WorkspaceError(f"path {path!r} contains a NUL character; give a plain relative path")
     if path.startswith("/"):
         raise WorkspaceError(f"absolute path {path!r} refused: give a path relative to the workspace root")
-    parts: list[str] = []
-    for name in path.split("/"):
-        if name in ("", "."):
-            continue
-        if name != "..":
-            parts.append(name)
-        elif parts:
-            parts.pop()
-        else:
-            raise WorkspaceError(f"path {path!r} leaves the workspace and was refused")
+    parts = lexical_parts(path)
+    if parts is None:
+        raise WorkspaceError(f"path {path!r} leaves the workspace and was refused")
     return parts
 
 
