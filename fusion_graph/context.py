@@ -177,6 +177,30 @@ class FusionContext:
     system_prompt: str = _field(
         "system_prompt", prompts.SYSTEM_PROMPT, "System prompt of every step in the turn."
     )
+    turn_cloud_budget_usd: Annotated[
+        float | None, *between(0, 1_000_000), BeforeValidator(_blank_is_none)
+    ] = _field(
+        "run_turn_cloud_budget_usd",
+        None,
+        "USD this run's turn may spend on cloud: a step whose estimated cloud cost would pass it "
+        "runs local (the reason says so). May only lower the operator's FUSION_TURN_CLOUD_BUDGET_USD. "
+        "Empty: the operator's.",
+    )
+    thread_cloud_budget_usd: Annotated[
+        float | None, *between(0, 1_000_000), BeforeValidator(_blank_is_none)
+    ] = _field(
+        "run_thread_cloud_budget_usd",
+        None,
+        "USD the thread may spend on cloud over all its turns; once spent, plans run local too. May "
+        "only lower the operator's FUSION_THREAD_CLOUD_BUDGET_USD. Empty: the operator's.",
+    )
+    resynthesize: Literal["off", "local_replies"] = _field(
+        "resynthesize",
+        "off",
+        "'local_replies': when a turn ends on a reply the local leg wrote, one more cloud call writes "
+        "the final reply from the same conversation (the local draft is kept in route_log; skipped, "
+        "keeping the local reply, when over budget or cloud is down). 'off': the local reply stands.",
+    )
 
     cloud_model: Annotated[str | None, LLM_PICKER] = _field(
         "run_cloud_model",
@@ -215,11 +239,14 @@ class FusionContext:
 RUN_FIELDS = frozenset(f.name for f in fields(FusionContext))
 
 #: The environment variable suffix of each field's default (the narrowing fields have their own,
-#: so they never collide with the operator's FUSION_CLOUD_MODEL / FUSION_WORKSPACE_ROOT).
-ENV_KEYS = {
-    name: {"cloud_model": "run_cloud_model", "workspace_root": "run_workspace_root"}.get(name, name)
-    for name in RUN_FIELDS
+#: so they never collide with the operator's FUSION_CLOUD_MODEL, FUSION_WORKSPACE_ROOT or budgets).
+_NARROWING = {
+    "cloud_model": "run_cloud_model",
+    "workspace_root": "run_workspace_root",
+    "turn_cloud_budget_usd": "run_turn_cloud_budget_usd",
+    "thread_cloud_budget_usd": "run_thread_cloud_budget_usd",
 }
+ENV_KEYS = {name: _NARROWING.get(name, name) for name in RUN_FIELDS}
 
 
 def _check_env_defaults() -> None:

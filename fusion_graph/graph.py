@@ -7,6 +7,7 @@ Diagram::
     tools -> local | cloud | ...                    (a batch's lone call routes the next step itself)
     plan | local | cloud | repair -> route          (a batch with nothing to run)
     plan | local | cloud | repair -> memory -> END  (a reply; memory is the side branch)
+    plan | local | cloud | repair -> synthesis -> memory | END  (a local reply re-written on cloud)
     plan | local | cloud | repair -> unavailable    (every provider down: raise; resume retries)
 """
 
@@ -22,18 +23,20 @@ from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
 from langgraph.types import Send
 
-from fusion_graph.context import FusionContext
+from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.memory import DEFAULT_JOBS, MemoryJob, MemoryRuns
 from fusion_graph.nodes import (
     InferenceNodes,
     MemoryNodes,
     RouteNode,
+    SynthesisNode,
     ToolStep,
     give_up,
     memory_on,
     sends,
     step_limit,
     unavailable,
+    wants_synthesis,
 )
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.resolver import ProviderResolver
@@ -61,6 +64,13 @@ async def after_model(state: State, runtime: Runtime[FusionContext]) -> str | li
         return sends(pending)
     if wants_tools(last_batch(messages)):
         return "route"  # every call of the batch was answered (rejected) before running
+    if wants_synthesis(state, ensure_context(runtime.context)):
+        return "synthesis"
+    return "memory" if memory_on(runtime) else END
+
+
+async def after_synthesis(state: State, runtime: Runtime[FusionContext]) -> str:
+    """The turn's reply is final: memory jobs (when on), else the end."""
     return "memory" if memory_on(runtime) else END
 
 
@@ -125,10 +135,14 @@ def build_graph(
     builder.add_node("give_up", give_up)
     builder.add_node("unavailable", unavailable)
     builder.add_node("memory", memory.memory)
+    builder.add_node("synthesis", SynthesisNode(sizer, tool_list))
 
     builder.add_edge(START, "plan")
     for executor in ("plan", "local", "cloud", "repair"):
-        builder.add_conditional_edges(executor, after_model, ["tools", "route", "memory", "unavailable", END])
+        builder.add_conditional_edges(
+            executor, after_model, ["tools", "route", "synthesis", "memory", "unavailable", END]
+        )
+    builder.add_conditional_edges("synthesis", after_synthesis, ["memory", END])
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)
     builder.add_edge("memory", END)

@@ -32,6 +32,18 @@ REPAIR_EXHAUSTED = (
     "ended here. Last error: {error}"
 )
 
+OVER_BUDGET = (
+    "I stopped here: the next step needs the cloud model ({fit}) and the cloud budget does not "
+    "allow it ({why}). Raise the budget, start a new thread, or send a shorter request."
+)
+
+# NOTE: appended after the conversation for the re-synthesis call (cloud), so its prefix is the
+# one the cloud steps sent.
+RESYNTHESIZE = (
+    "Write the final reply to the user's last request now, from the conversation above (a draft "
+    "was written but is not shown). Do not call tools. Reply to the user directly."
+)
+
 # NOTE: sent after the whole conversation (the same prefix the steps send, so llama-server
 # reuses its cache); it asks about the latest part, since earlier turns have had their jobs.
 MEMORY_INSTRUCTIONS = (

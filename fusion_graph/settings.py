@@ -79,6 +79,23 @@ class FusionSettings(BaseSettings):
     local_base_url: Annotated[str, Field(min_length=1)] = Field(
         "http://127.0.0.1:8080/v1", description="OpenAI-compatible base URL of llama-server (ends in /v1)."
     )
+    local_routing_header: str = Field(
+        "x-fusion-thread",
+        description="Header every local request carries with the thread's routing key (a stable hash "
+        "of its id), so a gateway in front of several llama-servers (smg --policy manual "
+        "--routing-key-headers x-fusion-thread) keeps each thread on one box; empty sends none.",
+    )
+    local_workers: tuple[str, ...] = Field(
+        (),
+        description="The llama-server boxes' own base URLs when local_base_url is a gateway: their "
+        "/props (slots, window) and /tokenize are read there, and they must agree on model and -np. "
+        "Empty: local_base_url is llama-server itself.",
+    )
+    local_worker_header: str = Field(
+        "x-smg-routed-worker-id",
+        description="Response header in which a gateway names the box that served a local request; "
+        "each thread's slot is then kept free on its own box. Empty: not read.",
+    )
     local_slots: Annotated[int, *between(0, 1024)] = Field(
         0, description="llama-server slots (its -np). 0 asks the server (GET /props -> total_slots)."
     )
@@ -129,6 +146,16 @@ class FusionSettings(BaseSettings):
         description="genai-prices catalogue provider (e.g. 'openai') whose prices the cloud model "
         "bills at, for a cloud_base_url the catalogue does not know (a gateway); empty infers it "
         "from the URL.",
+    )
+    turn_cloud_budget_usd: Annotated[float | None, *between(0, 1_000_000)] = Field(
+        None,
+        description="Most USD one turn may spend on cloud: a step whose estimated cloud cost would pass "
+        "it runs local. The ceiling of a run's own turn_cloud_budget_usd. Empty: no limit.",
+    )
+    thread_cloud_budget_usd: Annotated[float | None, *between(0, 1_000_000)] = Field(
+        None,
+        description="Most USD one thread may spend on cloud over all its turns (plans too run local "
+        "once it is spent). The ceiling of a run's own thread_cloud_budget_usd. Empty: no limit.",
     )
     request_timeout: Annotated[float, *seconds()] = Field(
         120.0, description="Seconds before a model request is abandoned."
@@ -183,6 +210,27 @@ class FusionSettings(BaseSettings):
             raise ValueError(
                 f"{info.field_name} must be an http:// or https:// URL with a host, got {value!r}"
             )
+        return value
+
+    @field_validator("local_workers")
+    @classmethod
+    def _worker_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """Each box's base URL must be an ``http(s)://host...`` URL, named once."""
+        for url in value:
+            parsed = urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ValueError(f"local_workers entries must be http:// or https:// URLs, got {url!r}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"local_workers names a box twice: {list(value)}")
+        return value
+
+    @field_validator("local_routing_header", "local_worker_header")
+    @classmethod
+    def _header_name(cls, value: str, info: ValidationInfo) -> str:
+        """An HTTP header name (token characters only), or empty to turn it off."""
+        allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&'*+-.^_`|~")
+        if value and not set(value) <= allowed:
+            raise ValueError(f"{info.field_name} must be an HTTP header name, got {value!r}")
         return value
 
     def api_key(self) -> SecretStr | None:

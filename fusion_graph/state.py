@@ -14,7 +14,7 @@ from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
 from fusion_graph.routing import Leg
 
-StepKind = Literal["plan", "step", "repair", "memory"]
+StepKind = Literal["plan", "step", "repair", "memory", "synthesis", "sampling"]
 
 
 class DecisionFields(TypedDict):

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
 from fusion_graph.providers.chain import ChainLink, ProviderChain
-from fusion_graph.providers.inference import SlotFor, bound_model
+from fusion_graph.providers.inference import HeadersFor, SlotFor, bound_model, call_headers, served_box
 from fusion_graph.providers.records import answered_record, make_record
 from fusion_graph.providers.slots import slot_body
 from fusion_graph.redact import scrub
@@ -44,7 +44,7 @@ def _slot_lock(link: ChainLink, slot: int) -> asyncio.Lock:
     return locks.setdefault((link.as_provider().base_url or link.id, slot), asyncio.Lock())
 
 
-async def prime_reflection_slot(link: ChainLink, slot: int) -> bool:
+async def prime_reflection_slot(link: ChainLink, slot: int, headers: dict[str, str] | None = None) -> bool:
     """Make llama-server hold the conversation's prefix for a job on ``slot``; ``True`` if it answered.
 
     llama-server restores a prompt from its host prompt cache (``--cache-ram``)
@@ -54,6 +54,7 @@ async def prime_reflection_slot(link: ChainLink, slot: int) -> bool:
     slot's content (the previous job), so it parks that content in the cache
     and snapshots the idle conversation slots; the job that follows then
     finds its conversation there. Any failure is ignored: the job runs cold.
+    ``headers`` (the thread's routing key) send it to the box the job will run on.
     """
     model = link.model
     if not isinstance(model, ChatOpenAI) or model.root_async_client is None:
@@ -65,6 +66,7 @@ async def prime_reflection_slot(link: ChainLink, slot: int) -> bool:
             max_tokens=1,
             temperature=0,
             extra_body={"id_slot": slot, "cache_prompt": True},
+            extra_headers=headers,
         )
     except Exception as error:  # noqa: BLE001 - priming only saves prefill; the job runs anyway
         logger.debug("priming slot %s of %s failed: %s", slot, link.id, scrub(repr(error)))
@@ -86,6 +88,7 @@ class JobRunner:
         config: Callbacks and tags of the run (``None`` for detached jobs).
         prime: Prime the reflection slot before a local job (``bench/memory_warm.py`` measures
             what turning it off costs).
+        headers: Headers of a job's request to a link (the thread's routing key on a local link).
     """
 
     chain: ProviderChain
@@ -96,9 +99,17 @@ class JobRunner:
     max_tokens: int
     config: RunnableConfig | None = None
     prime: bool = True
+    headers: HeadersFor | None = None
 
 
 def _job_kwargs(
+    link: ChainLink, job: MemoryJob, runner: JobRunner, body: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``_body_kwargs`` and the request's headers."""
+    return _body_kwargs(link, job, runner, body) | call_headers(link, runner.headers)
+
+
+def _body_kwargs(
     link: ChainLink, job: MemoryJob, runner: JobRunner, body: dict[str, Any] | None
 ) -> dict[str, Any]:
     """Request fields of a job: the schema, no tool calls, the slot.
@@ -151,7 +162,8 @@ async def run_job(
                 answer = await model.ainvoke(prompt, config=runner.config)
             else:
                 async with _slot_lock(link, slot):
-                    primed[link.id] = prime and await prime_reflection_slot(link, slot)
+                    routed = runner.headers(link) if runner.headers is not None else None
+                    primed[link.id] = prime and await prime_reflection_slot(link, slot, routed)
                     answer = await model.ainvoke(prompt, config=runner.config)
             return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
 
@@ -172,6 +184,9 @@ async def run_job(
             slot=slots.get(link.id),
             extra={"job": job.name, "repair": attempt > 0, "primed": primed.get(link.id, False)},
         )
+        box = served_box(answer)
+        if box is not None:
+            record["extra"]["box"] = box
         records.append(record)
         try:
             return job.schema.model_validate_json(_json_text(answer)), records, None

@@ -201,6 +201,8 @@ class MemoryRuns:
             reflection_slot=reflection_slot,
             max_tokens=context.memory_max_tokens,
             config=config,
+            # The thread's routing key: behind a gateway the job runs on the thread's box, near its cache.
+            headers=lambda link: self.resolver.local_headers(link, ticket.thread_id),
         )
         mode = context.memory_mode
 

@@ -5,6 +5,7 @@
 - ``tools``: LangGraph's ``ToolNode`` for one call (outputs capped by its hook)
 - ``route``: where the turn goes after a batch, decided once and handed to the executor
 - ``memory``: recall into a new turn and the memory jobs after a reply
+- ``synthesis``: cloud re-writes a turn's final reply when the local leg wrote it
 - ``ends``: ``step_limit``, ``give_up`` and ``unavailable`` (every provider down)
 """
 
@@ -13,6 +14,7 @@ from fusion_graph.nodes.ends import give_up, step_limit, unavailable
 from fusion_graph.nodes.inference import InferenceNodes, InvalidInput, check_new_turn, thread_id_of
 from fusion_graph.nodes.memory import MemoryNodes, memory_on
 from fusion_graph.nodes.route import Destination, RouteNode
+from fusion_graph.nodes.synthesis import SynthesisNode, wants_synthesis
 from fusion_graph.nodes.tools import ToolStep
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "InvalidInput",
     "MemoryNodes",
     "RouteNode",
+    "SynthesisNode",
     "ToolStep",
     "check_new_turn",
     "give_up",
@@ -30,4 +33,5 @@ __all__ = [
     "step_limit",
     "thread_id_of",
     "unavailable",
+    "wants_synthesis",
 ]

@@ -11,22 +11,25 @@ report becomes that leg's anchor for the next estimate.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from langchain_core.messages import BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
+from fusion_graph import prompts
+from fusion_graph.budget import cloud_spend, over_budget, within_budget
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.memory import inference_running
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.providers.chain import ChainLink
 from fusion_graph.providers.inference import ROUTE_EVENT, Inference, infer
-from fusion_graph.providers.records import totals_of
+from fusion_graph.providers.records import make_record, totals_of
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.providers.sizes import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
@@ -167,10 +170,23 @@ class InferenceNodes:
             pool = await self.resolver.slot_pool(link, context)
             return pool.slot_for(thread_id) if pool is not None else None
 
+        async def served(link: ChainLink, box: str) -> str | None:
+            return await self.resolver.served(link, context, thread_id, box)
+
+        def headers(link: ChainLink) -> dict[str, str] | None:
+            return self.resolver.local_headers(link, thread_id)
+
         anchors = dict(state.get("anchors") or {})
         prepared = await self.sizer.prepare(
             chain, decision.leg, state.get("messages", []), anchors, context, sizes=order.sizes
         )
+        # The budget binds the whole walk: a step the router kept local never falls over to cloud past it.
+        over, budget_extra = None, {}
+        budget = self.resolver.cloud_budget(context)
+        if budget.limited:
+            cost = self.sizer.cloud_cost(chain, prepared.sizes, anchors, context)
+            over = over_budget(budget, cloud_spend(state.get("route_log", []), turn), cost)
+            budget_extra = {"cloud_step_usd": cost} | ({"cloud_budget": over} if over is not None else {})
         async with inference_running(thread_id):  # a memory job beside this step starts after it
             for retry in (False, True):
                 if prepared.compaction is not None:
@@ -187,13 +203,21 @@ class InferenceNodes:
                     prefer_provider=order.prefer_provider,
                 )
                 bounds = self.sizer.bounds(chain, prepared, context)
+                if over is not None:
+                    allowed = bounds.allowed if bounds.allowed is not None else {x.id for x in chain.links}
+                    local = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")
+                    if not local:  # only cloud can hold it, and the budget does not allow cloud
+                        return _over_budget_end(order, prepared.decided(decision), prepared, over), True
+                    bounds = dataclasses.replace(bounds, allowed=local)
                 answer, record, exhausted = await infer(
                     call,
                     chain=chain,
                     find_slot=find_slot,
                     runtime=runtime,
                     bounds=bounds,
-                    extra=prepared.extra(),
+                    extra=prepared.extra() | budget_extra,
+                    headers=headers,
+                    served=served,
                 )
                 if answer is not None or retry or exhausted is None or not overflowed(exhausted):
                     break
@@ -248,6 +272,11 @@ class InferenceNodes:
             tools=self.tools,
         )
         turn = state.get("turn", -1) + 1
+        if decision.leg == "cloud":  # once the thread's budget is spent, plans run local too
+            chain = await self.resolver.chain(context)
+            anchors = state.get("anchors") or {}
+            why = self.sizer.over_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
+            decision = within_budget(decision, why)
         order = StepOrder("plan", "plan", step=0, turn=turn, decision=decision, signals=signals, sizes=sizes)
         update, answered = await self._infer(order, state, runtime)
         if not answered:
@@ -298,6 +327,12 @@ class InferenceNodes:
             reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
             f"kept on the {leg} leg that made it",
         )
+        if leg == "cloud":  # a repair on cloud is cloud spend like any step
+            chain = await self.resolver.chain(context)
+            sizes = await self.measure(state, context)
+            anchors, log = state.get("anchors") or {}, state.get("route_log", [])
+            why = self.sizer.over_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
+            decision = within_budget(decision, why)
         order = StepOrder(
             "repair",
             "repair",
@@ -311,6 +346,35 @@ class InferenceNodes:
         if answered and update.get("repair_error", state.get("repair_error")) is not None:
             update["repair_attempts"] = attempt
         return update
+
+
+def _over_budget_end(
+    order: StepOrder, decision: RouteDecision, prepared: Prepared, why: str
+) -> dict[str, Any]:
+    """End the turn: the step fits only a cloud window, and the cloud budget does not allow it.
+
+    The record says why (no inference was made); the message tells the user what to do.
+    """
+    fit = prepared.plan.reason or "the local window cannot hold it"
+    record = make_record(
+        turn=order.turn,
+        step=order.step,
+        kind=order.kind,
+        leg=decision.leg,
+        decision=decision,
+        signals=order.signals,
+        provider=None,
+        answer=None,
+        extra={"outcome": "over_budget", "cloud_budget": why, "fit": fit},
+    )
+    return {
+        "messages": [*prepared.changes, AIMessage(prompts.OVER_BUDGET.format(fit=fit, why=why))],
+        "route_log": [record],
+        "step": order.step,
+        "route": None,
+        "stall": None,
+        "repair_error": None,
+    }
 
 
 def _stream_compaction(

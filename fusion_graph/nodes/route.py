@@ -19,6 +19,7 @@ from langchain_core.tools import BaseTool
 from langgraph.runtime import Runtime
 from langgraph.types import Command, Send
 
+from fusion_graph.budget import within_budget
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import sends
 from fusion_graph.providers.sizes import Sizer
@@ -88,6 +89,10 @@ class RouteNode:
             budget=sizes.budget,
             tools=list(self.tools.values()),
         )
+        if decision.leg == "cloud":  # a step the cloud budget cannot afford runs local
+            anchors, log = state.get("anchors") or {}, state.get("route_log", [])
+            why = self.sizer.over_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
+            decision = within_budget(decision, why)
         update: dict[str, Any] = {"route": to_pending(step, decision, signals, sizes.estimates)}
         if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
             update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))

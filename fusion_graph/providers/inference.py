@@ -26,6 +26,7 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import merge_configs
 from langchain_core.tools import BaseTool
+from langchain_openai.chat_models.base import BaseChatOpenAI
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 from pydantic import ValidationError
@@ -44,6 +45,25 @@ ROUTE_EVENT = "fusion_route"
 
 #: Finds the llama-server slot of this conversation on a link (``None``: not a llama-server).
 SlotFor = Callable[[ChainLink], Awaitable[int | None]]
+
+#: Headers a request to a link carries (the thread's routing key on a local link), or ``None``.
+HeadersFor = Callable[[ChainLink], dict[str, str] | None]
+
+#: Learns which box behind a gateway served the thread; returns the box it moved from, if any.
+ServedBy = Callable[[ChainLink, str], Awaitable[str | None]]
+
+
+def call_headers(link: ChainLink, headers: HeadersFor | None) -> dict[str, Any]:
+    """``extra_headers`` for an OpenAI-compatible link's call (other models take no headers)."""
+    wanted = headers(link) if headers is not None else None
+    return {"extra_headers": wanted} if wanted and isinstance(link.model, BaseChatOpenAI) else {}
+
+
+def served_box(answer: Any) -> str | None:
+    """The box a gateway named in its answer (``ChatLlamaServer`` keeps it as ``served_by``)."""
+    metadata = getattr(answer, "response_metadata", None) or {}
+    box = metadata.get("served_by")
+    return box if isinstance(box, str) and box else None
 
 
 def _call_config(kind: StepKind, decision: RouteDecision, step: int, link: ChainLink) -> RunnableConfig:
@@ -197,6 +217,8 @@ async def infer(
     runtime: Runtime[FusionContext],
     bounds: Bounds | None = None,
     extra: dict[str, Any] | None = None,
+    headers: HeadersFor | None = None,
+    served: ServedBy | None = None,
 ) -> tuple[AIMessage | None, RouteRecord, ChainExhausted | None]:
     """Run one inference through ``chain``, starting at the routed leg.
 
@@ -205,7 +227,9 @@ async def infer(
     fields are sent only to a local llama-server link, decided per link
     actually called, never from whichever provider is "active". Links outside
     ``bounds.allowed`` are never tried; a context overflow walks on to a link
-    with a larger window. ``extra`` joins the record's ``extra``.
+    with a larger window. ``extra`` joins the record's ``extra``. ``headers``
+    go with each call (a local link's routing key); ``served`` learns the box a
+    gateway answered from, which the record keeps (``box``, ``box_moved_from``).
 
     Returns:
         The answer (``None`` when every provider failed), the record, and the
@@ -232,6 +256,7 @@ async def infer(
             kwargs["extra_body"] = {**own, **body} if isinstance(own, dict) else body
         if link.id in bounds.max_tokens:
             kwargs["max_tokens"] = bounds.max_tokens[link.id]
+        kwargs |= call_headers(link, headers)
         slots[link.id] = slot if body is not None else None
         config = merge_configs(get_config(), _call_config(call.kind, decision, call.step, link))
         # The call's arguments go with the call: a binding per call would only copy the config again.
@@ -271,6 +296,12 @@ async def infer(
         sized["window"] = bounds.windows[link.id]
     if link.id in bounds.max_tokens:
         sized["max_tokens"] = bounds.max_tokens[link.id]
+    box = served_box(outcome.answer)
+    if box is not None:
+        sized["box"] = box
+        moved = await served(link, box) if served is not None else None
+        if moved is not None:  # the gateway re-placed the thread: this step ran on a cold cache
+            sized["box_moved_from"] = moved
     record = answered_record(
         outcome,
         turn=call.turn,

@@ -50,6 +50,20 @@ class ServerProps:
 
     total_slots: int
     slot_window: int | None
+    model: str | None = None
+    """The model it serves: its ``--alias``, else the file name of its ``model_path``."""
+
+
+class LocalPoolMismatch(RuntimeError):
+    """The boxes of ``local_workers`` do not serve the same model with the same slots."""
+
+
+def _model_of(props: dict[str, Any]) -> str | None:
+    alias = props.get("model_alias")
+    path = props.get("model_path")
+    if isinstance(alias, str) and alias:
+        return alias
+    return path.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(path, str) and path else None
 
 
 def _slot_window(props: dict[str, Any], total: int) -> int | None:
@@ -89,7 +103,7 @@ async def fetch_props(base_url: str, *, timeout: float = 5.0) -> ServerProps:
         raise NotLlamaServer(
             f"{url} did not report total_slots (HTTP {response.status_code}): not llama-server"
         )
-    return ServerProps(total, _slot_window(props, total))
+    return ServerProps(total, _slot_window(props, total), _model_of(props))
 
 
 async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
@@ -150,17 +164,41 @@ def timings_of(payload: Any) -> dict[str, Any] | None:
     return None
 
 
+def _served_by(info: dict[str, Any] | None, header: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """``info`` without the response headers, and the value of ``header`` among them.
+
+    Only the one header is kept (as ``served_by``): the rest would be saved with
+    the message in every checkpoint.
+    """
+    if not info or "headers" not in info:
+        return info, None
+    rest = {key: value for key, value in info.items() if key != "headers"}
+    headers = info["headers"] if isinstance(info["headers"], dict) else {}
+    wanted = (header or "").lower()
+    found = next((str(v) for k, v in headers.items() if wanted and str(k).lower() == wanted), None)
+    return rest or None, found
+
+
 class ChatLlamaServer(ChatOpenAICompatible):
-    """``ChatOpenAI`` for llama-server that keeps its ``timings`` in ``response_metadata``."""
+    """``ChatOpenAI`` for llama-server that keeps its ``timings`` in ``response_metadata``.
+
+    Behind a gateway, ``worker_header`` names the response header that says which
+    box served; its value is kept as ``response_metadata["served_by"]``.
+    """
+
+    worker_header: str | None = None
 
     def _create_chat_result(
         self, response: dict[str, Any] | openai.BaseModel, generation_info: dict[str, Any] | None = None
     ) -> ChatResult:
+        generation_info, served_by = _served_by(generation_info, self.worker_header)
         result = super()._create_chat_result(response, generation_info)
         timings = timings_of(response)
-        if timings is not None:
-            for generation in result.generations:
+        for generation in result.generations:
+            if timings is not None:
                 generation.message.response_metadata["timings"] = timings
+            if served_by is not None:
+                generation.message.response_metadata["served_by"] = served_by
         return result
 
     def _convert_chunk_to_generation_chunk(
@@ -169,10 +207,13 @@ class ChatLlamaServer(ChatOpenAICompatible):
         default_chunk_class: type,
         base_generation_info: dict[str, Any] | None,
     ) -> ChatGenerationChunk | None:
+        base_generation_info, served_by = _served_by(base_generation_info, self.worker_header)
         generation = super()._convert_chunk_to_generation_chunk(
             chunk, default_chunk_class, base_generation_info
         )
         timings = timings_of(chunk)
         if generation is not None and timings is not None:
             generation.message.response_metadata["timings"] = timings
+        if generation is not None and served_by is not None:
+            generation.message.response_metadata["served_by"] = served_by
         return generation

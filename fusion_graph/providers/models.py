@@ -95,4 +95,7 @@ def build_local_model(settings: FusionSettings) -> BaseChatModel:
         # langchain-openai only asks for streamed usage by itself when no
         # base_url is set; llama-server's cache numbers ride on that usage.
         stream_usage=True,
+        # Behind a gateway, which box served (one response header, kept as ``served_by``).
+        include_response_headers=bool(settings.local_worker_header),
+        worker_header=settings.local_worker_header or None,
     )

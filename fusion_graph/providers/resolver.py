@@ -19,18 +19,20 @@ from typing import Any
 
 from langchain_core.language_models import BaseChatModel
 
+from fusion_graph.budget import CloudBudget, cloud_budget
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.chain import ChainLink, ProviderChain
 from fusion_graph.providers.health import HealthPolicy
 from fusion_graph.providers.llama_server import (
     LlamaServerUnavailable,
+    LocalPoolMismatch,
     NotLlamaServer,
     ServerProps,
     fetch_props,
 )
 from fusion_graph.providers.models import Provider, build_cloud_model, build_local_model, model_name
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
-from fusion_graph.providers.slots import SlotPool
+from fusion_graph.providers.slots import BoxSlots, SlotPool, routing_key
 from fusion_graph.routing import Leg
 from fusion_graph.settings import ContextError, FusionSettings
 
@@ -101,13 +103,14 @@ class ProviderResolver:
         self._chains: dict[tuple[Any, ...], ProviderChain] = {}
         # The operator settings are fixed, so a run's narrowing alone decides its chain.
         self._by_context: dict[tuple[str | None, str | None, tuple[Leg, ...] | None], ProviderChain] = {}
-        self._pools: dict[tuple[str, int, bool], SlotPool] = {}
+        self._pools: dict[tuple[str, int, bool], SlotPool | BoxSlots] = {}
         self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary()
         )
         self._closed = False
         self._not_llama: set[str] = set()
         self._props: dict[str, ServerProps] = {}
+        self._count_url: str | None = None
 
     def check_bounds(self, context: FusionContext) -> None:
         """Refuse a run context past the operator's size bounds (``ContextError``): the system prompt."""
@@ -117,6 +120,15 @@ class ProviderResolver:
                 f"system_prompt is {len(context.system_prompt):,} characters; this deployment allows at "
                 f"most {limit:,} (the operator sets FUSION_MAX_SYSTEM_PROMPT_CHARS)"
             )
+
+    def cloud_budget(self, context: FusionContext) -> CloudBudget:
+        """The run's cloud budgets: its own, never above the operator's (a run may only lower them)."""
+        return cloud_budget(
+            operator_turn=self.settings.turn_cloud_budget_usd,
+            operator_thread=self.settings.thread_cloud_budget_usd,
+            run_turn=context.turn_cloud_budget_usd,
+            run_thread=context.thread_cloud_budget_usd,
+        )
 
     def effective(self, context: FusionContext) -> FusionSettings:
         """The operator's settings as ``context`` may narrow them (``ContextError`` if it may not)."""
@@ -209,17 +221,73 @@ class ProviderResolver:
             self._by_context[narrowing] = chain
         return chain
 
+    @property
+    def pooled(self) -> bool:
+        """Whether the local endpoint is a gateway over the boxes of ``local_workers``."""
+        return bool(self.settings.local_workers)
+
+    async def _pool_props(self) -> ServerProps | None:
+        """``/props`` of the boxes behind the gateway, which must agree; ``None`` when none answers.
+
+        Raises:
+            LocalPoolMismatch: Two boxes serve different models or slot counts, or one is not
+                llama-server.
+        """
+        timeout = min(self.settings.request_timeout, 10.0)
+        seen: list[tuple[str, ServerProps]] = []
+        for url in self.settings.local_workers:
+            try:
+                props = await fetch_props(url, timeout=timeout)
+            except NotLlamaServer as error:
+                raise LocalPoolMismatch(f"local_workers: {error}") from None
+            except LlamaServerUnavailable as error:
+                logger.warning("local worker not reachable, read from the others: %s", error)
+                continue
+            seen.append((url, props))
+        if not seen:
+            return None
+        first_url, first = seen[0]
+        for url, props in seen[1:]:
+            if (props.model, props.total_slots, props.slot_window) != (
+                first.model,
+                first.total_slots,
+                first.slot_window,
+            ):
+                raise LocalPoolMismatch(
+                    "the boxes of local_workers must serve the same model with the same -np and -c: "
+                    f"{first_url} serves {first.model!r} with {first.total_slots} slots of "
+                    f"{first.slot_window} tokens, {url} serves {props.model!r} with "
+                    f"{props.total_slots} slots of {props.slot_window} tokens"
+                )
+        self._count_url = first_url
+        return first
+
+    def count_url(self, link: ChainLink) -> str | None:
+        """Where a local link's prompts are counted (``/tokenize``): a box behind a gateway, else the link."""
+        if link.leg == "local" and self.pooled:
+            return self._count_url or self.settings.local_workers[0]
+        return link.as_provider().base_url
+
     async def server_props(self, link: ChainLink) -> ServerProps | None:
         """What a local llama-server link's server says about itself (``GET /props``), asked once.
 
         ``None`` for a cloud link, a local server that is not llama-server (logged
         once; it then runs without slot affinity) and one that cannot be reached
         now (asked again next time; the call itself will then fail over, or
-        succeed if the server is back).
+        succeed if the server is back). Behind a gateway (``local_workers``), the
+        boxes are asked and must agree (``LocalPoolMismatch`` otherwise).
         """
         url = link.as_provider().base_url
         if link.leg != "local" or url is None or url in self._not_llama:
             return None
+        if self.pooled and self._injected["local"] is None:
+            known = self._props.get(url)
+            if known is None:
+                pooled = await self._pool_props()
+                if pooled is None:
+                    return None
+                known = self._props[url] = pooled
+            return known
         known = self._props.get(url)
         if known is not None:
             return known
@@ -260,11 +328,12 @@ class ProviderResolver:
             return limit
         return DEFAULT_CLOUD_WINDOW if link.leg == "cloud" else None
 
-    async def slot_pool(self, link: ChainLink, context: FusionContext) -> SlotPool | None:
+    async def slot_pool(self, link: ChainLink, context: FusionContext) -> SlotPool | BoxSlots | None:
         """The slot pool of a local llama-server link, or ``None`` for anything else.
 
         The slot count is ``local_slots`` when set, else the server's own
-        ``total_slots`` (``server_props``, asked once per base URL). Without
+        ``total_slots`` (``server_props``, asked once per base URL); behind a
+        gateway (``local_workers``) it is per box, and the pool is a ``BoxSlots``. Without
         ``local_slots``, a local server that is not llama-server (no ``/props``)
         runs without slot affinity and one that cannot be reached gets no slot
         for this call.
@@ -282,8 +351,22 @@ class ProviderResolver:
             total = props.total_slots
         key = (url, total, reserve)
         if key not in self._pools:
-            self._pools[key] = SlotPool(total, reserve_reflection=reserve)
+            pooled = self.pooled and self._injected["local"] is None
+            kind = BoxSlots if pooled else SlotPool
+            self._pools[key] = kind(total, reserve_reflection=reserve)
         return self._pools[key]
+
+    async def served(self, link: ChainLink, context: FusionContext, thread_id: str, box: str) -> str | None:
+        """Learn the box a gateway served ``thread_id`` from; returns the box it moved from, if it moved."""
+        pool = await self.slot_pool(link, context)
+        return pool.served(thread_id, box) if isinstance(pool, BoxSlots) else None
+
+    def local_headers(self, link: ChainLink, thread_id: str) -> dict[str, str] | None:
+        """Headers of a local request of ``thread_id``: its routing key (``local_routing_header``)."""
+        header = self.settings.local_routing_header
+        if link.leg != "local" or not header:
+            return None
+        return {header: routing_key(thread_id)}
 
     async def aclose(self) -> None:
         """Close every chain and every link (each exactly once); later runs are refused."""

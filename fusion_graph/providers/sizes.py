@@ -21,10 +21,12 @@ import httpx
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.tools import BaseTool
 
+from fusion_graph.budget import cloud_spend, over_budget
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain
 from fusion_graph.providers.inference import Bounds
 from fusion_graph.providers.llama_server import count_prompt_tokens
+from fusion_graph.providers.pricing import price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.settings import ContextError
@@ -32,7 +34,7 @@ from fusion_graph.sizing.compaction import Compaction, compact
 from fusion_graph.sizing.estimate import Estimate, fingerprint, leg_estimate, new_anchor
 from fusion_graph.sizing.fit import FitPlan, LinkRoom, completion_budget, conversation_budget, plan_fit
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt, tool_schemas
-from fusion_graph.state import PromptAnchor
+from fusion_graph.state import PromptAnchor, RouteRecord
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +169,10 @@ class Sizer:
         self, link: ChainLink, system_prompt: str, messages: Sequence[BaseMessage]
     ) -> int | None:
         """llama-server's own count of this prompt, or ``None`` when it is not llama-server or fails."""
-        url = link.as_provider().base_url
-        if url is None or await self.resolver.server_props(link) is None:
+        if await self.resolver.server_props(link) is None:
+            return None
+        url = self.resolver.count_url(link)  # behind a gateway: a box, which counts alike
+        if url is None:
             return None
         try:
             return await count_prompt_tokens(
@@ -251,6 +255,43 @@ class Sizer:
         budget = completion_budget(context.max_completion_tokens, sizes.windows.get(link.id))
         own = getattr(link.model, "max_tokens", None)
         return min(budget, own) if isinstance(own, int) and own > 0 else budget
+
+    def cloud_cost(
+        self,
+        chain: ProviderChain,
+        sizes: StepSizes,
+        anchors: Mapping[str, PromptAnchor],
+        context: FusionContext,
+    ) -> float | None:
+        """The step's estimated cost on the chain's first cloud link (``None``: no cloud link, or no price).
+
+        Its estimated prompt and its whole completion budget, at that link's prices;
+        the prompt its cloud provider last reported for this thread counts as cached
+        input (the thread's cloud prefix is warm), at most the estimate.
+        """
+        link = next((x for x in chain.links if x.leg == "cloud"), None)
+        estimate = sizes.estimates.get("cloud")
+        if link is None or estimate is None:
+            return None
+        anchor = anchors.get("cloud")
+        cached = min(anchor["prompt_tokens"], estimate.tokens) if anchor is not None else 0
+        return price(link.pricing, estimate.tokens, cached, self.budget_of(link, sizes, context))
+
+    def over_budget(
+        self,
+        chain: ProviderChain,
+        sizes: StepSizes,
+        anchors: Mapping[str, PromptAnchor],
+        route_log: Sequence[RouteRecord],
+        turn: int,
+        context: FusionContext,
+    ) -> str | None:
+        """Why this step may not run on cloud (its budget), or ``None`` when it may (or none is set)."""
+        budget = self.resolver.cloud_budget(context)
+        if not budget.limited:
+            return None
+        cost = self.cloud_cost(chain, sizes, anchors, context)
+        return over_budget(budget, cloud_spend(route_log, turn), cost)
 
     def bounds(self, chain: ProviderChain, prepared: Prepared, context: FusionContext) -> Bounds:
         """What bounds each attempt of the prepared step: links, windows, budgets, time."""

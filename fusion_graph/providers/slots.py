@@ -6,6 +6,11 @@ that thread's previous local step. The slot is derived from the thread id with a
 stable hash, so it survives process restarts. The last slot is reserved for
 memory sub-runners so their jobs never evict a conversation's cache.
 
+Behind a gateway over several boxes, every local request also carries the
+thread's routing key (``routing_key``) so the gateway keeps the thread on one
+box, and ``BoxSlots`` keeps one pool per box, learning each thread's box from
+the gateway's answer.
+
 Start llama-server with an explicit ``-np N``: without it, recent versions
 share one *unified* KV cache across slots and a pinned slot loses its cache
 whenever other requests run in between.
@@ -84,6 +89,93 @@ class SlotPool:
         """Forget a thread (its slot becomes free for others)."""
         with self._lock:
             self._held.pop(thread_id, None)
+
+
+def routing_key(thread_id: str) -> str:
+    """The key a gateway routes a thread's local requests by: a stable hash of its id.
+
+    Stable across processes and replicas (like the preferred slot), and it does
+    not reveal the thread id to the gateway or its logs.
+    """
+    return "t" + hashlib.sha256(b"fusion-thread\0" + thread_id.encode("utf-8")).hexdigest()[:24]
+
+
+class BoxSlots:
+    """Slots of a local endpoint that is a gateway over several llama-server boxes of ``-np`` slots each.
+
+    The gateway, not the graph, places a thread on a box (by its routing key);
+    it names the box in its answer, and ``served`` learns it. A thread whose box
+    is known gets a slot of that box's own ``SlotPool`` (so threads on one box
+    never share a slot while the box has enough); before that (its first local
+    request), its hash-preferred slot. Every box keeps its reflection slot.
+    """
+
+    def __init__(self, per_box_slots: int, *, reserve_reflection: bool = True) -> None:
+        """Pools of ``per_box_slots`` slots (each box's ``-np``), created per box as boxes are seen."""
+        self._template = SlotPool(per_box_slots, reserve_reflection=reserve_reflection)
+        self.total_slots = per_box_slots
+        self.reserve_reflection = reserve_reflection
+        self._boxes: dict[str, SlotPool] = {}
+        self._box_of: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def conversation_slots(self) -> int:
+        """Conversation slots per box."""
+        return self._template.conversation_slots
+
+    @property
+    def reflection_slot(self) -> int:
+        """The slot memory sub-runners use, on every box."""
+        return self._template.reflection_slot
+
+    def box_of(self, thread_id: str) -> str | None:
+        """The box the gateway last served this thread from (``None``: not seen yet)."""
+        with self._lock:
+            return self._box_of.get(thread_id)
+
+    def slot_for(self, thread_id: str) -> int:
+        """The thread's slot on its box (its hash-preferred slot while the box is unknown)."""
+        with self._lock:
+            box = self._box_of.get(thread_id)
+            pool = self._boxes.get(box) if box is not None else None
+        if pool is None:
+            return self._template.preferred_slot(thread_id)
+        return pool.slot_for(thread_id)
+
+    def served(self, thread_id: str, box: str) -> str | None:
+        """Learn that ``box`` served the thread; returns the box it moved from (``None``: no move).
+
+        A move (the gateway re-placed the key after its box failed) frees the
+        thread's slot on the old box and takes one on the new box.
+        """
+        with self._lock:
+            before = self._box_of.get(thread_id)
+            self._box_of[thread_id] = box
+            self._box_of.move_to_end(thread_id)
+            if len(self._box_of) > 65_536:  # forget the least recently served threads
+                self._box_of.popitem(last=False)
+            pool = self._boxes.get(box)
+            if pool is None:
+                pool = self._boxes[box] = SlotPool(
+                    self.total_slots, reserve_reflection=self.reserve_reflection
+                )
+            old = self._boxes.get(before) if before is not None and before != box else None
+        if old is not None:
+            old.release(thread_id)
+        if before is None or before == box:
+            pool.slot_for(thread_id)  # hold its slot from now on (the one it just used, when free)
+            return None
+        pool.slot_for(thread_id)
+        return before
+
+    def release(self, thread_id: str) -> None:
+        """Forget a thread on its box."""
+        with self._lock:
+            box = self._box_of.pop(thread_id, None)
+            pool = self._boxes.get(box) if box is not None else None
+        if pool is not None:
+            pool.release(thread_id)
 
 
 def slot_body(leg: Leg, slot: int | None) -> dict[str, Any] | None:

@@ -55,6 +55,10 @@ class FakeOpenAI:
     def __init__(self, replies: Sequence[Reply] | Callable[[dict[str, Any]], Reply] = ()) -> None:
         """Serve ``replies`` in order (the last repeats), or call ``replies(body)`` per request."""
         self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []
+        """The headers of each request in ``requests`` (names lower-cased)."""
+        self.props: dict[str, Any] | None = None
+        """What ``GET /props`` answers (as llama-server would); ``None``: 404."""
         self._replies = replies
         self._script_start = 0
         self._lock = threading.Lock()
@@ -75,9 +79,10 @@ class FakeOpenAI:
             self._replies = replies
             self._script_start = len(self.requests)
 
-    def _next(self, body: dict[str, Any]) -> Reply:
+    def _next(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
         with self._lock:
             self.requests.append(body)
+            self.request_headers.append({k.lower(): v for k, v in (headers or {}).items()})
             if callable(self._replies):
                 return self._replies(body)
             if not self._replies:
@@ -98,13 +103,15 @@ class FakeOpenAI:
             def do_GET(self) -> None:
                 if self.path.rstrip("/").endswith("/models"):
                     self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+                elif self.path.rstrip("/") == "/props" and fake.props is not None:
+                    self._json(200, fake.props)
                 else:
                     self._json(404, {"error": {"message": "not found"}})
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
-                reply = fake._next(body)
+                reply = fake._next(body, dict(self.headers.items()))
                 if reply.delay:
                     time.sleep(reply.delay)
                 if reply.raw is not None:

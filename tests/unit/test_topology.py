@@ -28,13 +28,16 @@ def test_nodes_and_edges() -> None:
         "give_up",
         "unavailable",
         "memory",
+        "synthesis",
         "__end__",
     }
     edges = {(e.source, e.target, e.conditional) for e in drawn.edges}
     assert ("__start__", "plan", False) in edges
     for executor in ("plan", "local", "cloud", "repair"):
         after = {target for source, target, conditional in edges if source == executor and conditional}
-        assert after == {"tools", "route", "memory", "unavailable", "__end__"}
+        assert after == {"tools", "route", "synthesis", "memory", "unavailable", "__end__"}
+    after_synthesis = {target for source, target, conditional in edges if source == "synthesis"}
+    assert after_synthesis == {"memory", "__end__"}
     # Tool calls fan out as one task each and join at the one node that decides; a batch's lone
     # call decides the next step itself (the same decision, one superstep fewer).
     after_tool = {target for source, target, conditional in edges if source == "tools" and conditional}

@@ -1,0 +1,170 @@
+"""Cloud budgets per turn and per thread: the pure rule, and the graph keeping it with scripted servers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.checkpoint.memory import InMemorySaver
+
+from fusion_graph import ChainExhausted, FusionContext, FusionSettings, build_graph
+from fusion_graph.budget import CloudBudget, CloudSpend, cloud_budget, cloud_spend, over_budget
+from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.state import RouteRecord
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+from tests.plugins.fakes import user_input
+
+#: USD per million tokens of the scripted cloud model ``c``: a cent per thousand tokens either way.
+PRICES = {"c": (10.0, 10.0, 1.0)}
+
+
+@tool
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value of {key}"
+
+
+def record(turn: int, leg: str, cost: float | None) -> RouteRecord:
+    return {"turn": turn, "leg": leg, "cost_usd": cost}  # type: ignore[typeddict-item]
+
+
+def test_a_run_may_only_lower_the_operators_budget() -> None:
+    assert cloud_budget(
+        operator_turn=0.05, operator_thread=None, run_turn=1.0, run_thread=0.2
+    ) == CloudBudget(0.05, 0.2)
+    assert cloud_budget(
+        operator_turn=0.05, operator_thread=1.0, run_turn=0.01, run_thread=None
+    ) == CloudBudget(0.01, 1.0)
+    assert not cloud_budget(operator_turn=None, operator_thread=None, run_turn=None, run_thread=None).limited
+
+
+def test_spend_counts_what_cloud_answered_in_the_turn_and_the_thread() -> None:
+    log = [
+        record(0, "cloud", 0.01),
+        record(1, "cloud", 0.02),
+        record(1, "local", 0.5),
+        record(1, "cloud", None),
+    ]
+    assert cloud_spend(log, turn=1) == CloudSpend(turn_usd=0.02, thread_usd=0.03)
+
+
+def test_the_reason_carries_the_numbers() -> None:
+    budget = CloudBudget(turn_usd=0.05)
+    assert (
+        over_budget(budget, CloudSpend(0.048, 0.048), 0.004)
+        == "turn budget $0.05: $0.048 spent, step ~$0.004"
+    )
+    assert over_budget(budget, CloudSpend(0.04, 0.04), 0.004) is None
+    assert "price is unknown" in (over_budget(CloudBudget(thread_usd=1.0), CloudSpend(), None) or "")
+    assert over_budget(CloudBudget(), CloudSpend(9, 9), None) is None
+
+
+def graph_over(cloud: FakeOpenAI, local: FakeOpenAI, **settings: Any) -> Any:
+    return build_graph(
+        cloud_model=ChatOpenAI(
+            model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
+        ),
+        local_model=ChatLlamaServer(
+            model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
+        ),
+        tools=[lookup],
+        checkpointer=InMemorySaver(),
+        settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
+    )
+
+
+async def run(graph: Any, text: str, how: str, context: FusionContext, thread: str = "t") -> dict[str, Any]:
+    config: Any = {"configurable": {"thread_id": thread}}
+    if how == "ainvoke":
+        await graph.ainvoke(user_input(text), config, context=context)
+    else:
+        async for _ in graph.astream(user_input(text), config, context=context, stream_mode="messages"):
+            pass
+    return dict((await graph.aget_state(config)).values)
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_a_turn_that_would_overspend_goes_local_at_the_step_that_would_pass_the_budget(
+    how: str,
+) -> None:
+    calls = [
+        Reply(content="", tool_calls=[("lookup", {"key": f"k{i}"})], prompt_tokens=300) for i in range(6)
+    ]
+    with (
+        FakeOpenAI([*calls, Reply(content="done")]) as cloud,
+        FakeOpenAI([Reply(content="local done")]) as local,
+    ):
+        graph = graph_over(cloud, local)
+        context = FusionContext(cloud_share=100, max_completion_tokens=16, turn_cloud_budget_usd=0.012)
+        state = await run(graph, "look up six keys", how, context)
+    log = state["route_log"]
+    spent = 0.0
+    for entry in log:
+        assert entry["extra"]["cloud_step_usd"] > 0
+        if entry["leg"] == "local":
+            break
+        assert spent + entry["extra"]["cloud_step_usd"] <= 0.012  # every cloud step was affordable
+        spent += entry["cost_usd"]
+    first_local = next(entry for entry in log if entry["leg"] == "local")
+    assert first_local["routed_leg"] == "local" and first_local["kind"] == "step"
+    assert spent + first_local["extra"]["cloud_step_usd"] > 0.012  # and this one was not
+    assert f"turn budget $0.012: ${spent:.4f}".rstrip("0") in first_local["reason"]
+    assert first_local["reason"].endswith(": local")
+    assert state["messages"][-1].content == "local done"
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_once_the_thread_budget_is_spent_plans_run_local(how: str) -> None:
+    with (
+        FakeOpenAI([Reply(content="cloud plan", prompt_tokens=1950)]) as cloud,
+        FakeOpenAI([Reply(content="local plan")]) as local,
+    ):
+        graph = graph_over(cloud, local, thread_cloud_budget_usd=0.02)
+        context = FusionContext(max_completion_tokens=16)
+        await run(graph, "first", how, context)
+        state = await run(graph, "second", how, context)
+    plans = [entry for entry in state["route_log"] if entry["kind"] == "plan"]
+    assert [p["leg"] for p in plans] == ["cloud", "local"]
+    assert "thread budget $0.02: $0.0" in plans[1]["reason"] and plans[1]["reason"].endswith(": local")
+    assert len(cloud.requests) == 1
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_a_step_only_cloud_can_hold_and_the_budget_cannot_pay_ends_the_turn_clearly(how: str) -> None:
+    with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(content="local")]) as local:
+        graph = graph_over(cloud, local, local_window_tokens=256, thread_cloud_budget_usd=0.0)
+        state = await run(graph, "word " * 2000, how, FusionContext(max_completion_tokens=16))
+    assert cloud.requests == [] and local.requests == []
+    last = state["route_log"][-1]
+    assert last["extra"]["outcome"] == "over_budget" and last["provider"] is None
+    assert "local window 256" in last["extra"]["fit"]
+    text = state["messages"][-1].content
+    assert "cloud budget does not allow it" in text and "thread budget $0.0" in text
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_fallover_to_cloud_during_a_local_outage_respects_the_budget(how: str) -> None:
+    with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(status=503)]) as local:
+        graph = graph_over(cloud, local, thread_cloud_budget_usd=0.0)
+        with pytest.raises(ChainExhausted) as raised:
+            await run(graph, "hello", how, FusionContext(max_completion_tokens=16))
+    assert cloud.requests == []  # the outage did not buy a cloud answer past the budget
+    assert len(local.requests) >= 1
+    assert "local" in str(raised.value)
+
+
+async def test_without_a_budget_a_local_outage_still_falls_over_to_cloud() -> None:
+    with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(status=503)]) as local:
+        graph = graph_over(cloud, local)
+        state = await run(graph, "hello", "ainvoke", FusionContext(cloud_share=0, max_completion_tokens=16))
+    assert state["route_log"][-1]["leg"] == "cloud" and len(cloud.requests) == 1
+    assert "cloud_step_usd" not in state["route_log"][-1]["extra"]
+
+
+async def test_the_operators_ceiling_binds_a_run_that_asks_for_more() -> None:
+    with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(content="local")]) as local:
+        graph = graph_over(cloud, local, thread_cloud_budget_usd=0.0)
+        state = await run(graph, "hi", "ainvoke", FusionContext(thread_cloud_budget_usd=100.0))
+    assert state["route_log"][0]["leg"] == "local" and "thread budget $0.0" in state["route_log"][0]["reason"]
