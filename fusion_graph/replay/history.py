@@ -8,13 +8,14 @@ state the graph would hold before each assistant message.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
 from langchain_core.tools import BaseTool
 
+from fusion_graph.budget import cloud_budget, cloud_spend, over_budget, within_budget
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.records import make_record
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
@@ -56,6 +57,7 @@ def route_history(
     count_tokens: TokenCounter = approximate_tokens,
     tools: Sequence[BaseTool] = (),
     local_window: int | None = None,
+    cloud_cost: Callable[[int, int], float | None] | None = None,
 ) -> list[ReplayedStep]:
     """Route every assistant message of ``messages`` in order.
 
@@ -71,6 +73,13 @@ def route_history(
     ``max_steps`` are still routed (turn depth clipped to 1), where the graph
     would have ended the turn. The route log the graph would hold (a record per
     step, no provider) is rebuilt as it goes, so the paced dial counts the same steps.
+
+    ``cloud_cost(prompt_tokens, completion_tokens)`` prices a step on cloud; with
+    it, the context's cloud budgets (``turn_cloud_budget_usd``,
+    ``thread_cloud_budget_usd``) apply by the graph's rule: a step is priced
+    before its call with the whole completion budget (``max_completion_tokens``),
+    and a cloud step's record then costs its recorded completion, so the spend
+    that later steps see is what the trace would have cost.
     """
     system, body = split_system(messages)
     if system:
@@ -83,6 +92,12 @@ def route_history(
     route_log: list[RouteRecord] = []
     tally: StepTally | None = None  # the paced dial's running count, kept as the route node keeps it
     turn = -1
+    limit = cloud_budget(
+        operator_turn=None,
+        operator_thread=None,
+        run_turn=context.turn_cloud_budget_usd,
+        run_thread=context.thread_cloud_budget_usd,
+    )
     for index, message in enumerate(body):
         if not isinstance(message, AIMessage):
             continue
@@ -104,20 +119,26 @@ def route_history(
             if leg is not None:
                 state["leg"] = leg
             decision, signals = continuation_route(state, context, count_tokens, budget=budget, tools=tools)
+        cost: float | None = None
+        if cloud_cost is not None and limit.limited and decision.leg == "cloud":
+            estimate = cloud_cost(signals.prompt_tokens, context.max_completion_tokens)
+            decision = within_budget(decision, over_budget(limit, cloud_spend(route_log, turn), estimate))
+        if cloud_cost is not None and decision.leg == "cloud":
+            cost = cloud_cost(signals.prompt_tokens, count_tokens([message]))
         leg = decision.leg
         kind: StepKind = "plan" if step == 0 else "step"
-        route_log.append(
-            make_record(
-                turn=turn,
-                step=step,
-                kind=kind,
-                leg=leg,
-                decision=decision,
-                signals=signals,
-                provider=None,
-                answer=None,
-            )
+        record = make_record(
+            turn=turn,
+            step=step,
+            kind=kind,
+            leg=leg,
+            decision=decision,
+            signals=signals,
+            provider=None,
+            answer=None,
         )
+        record["cost_usd"] = cost
+        route_log.append(record)
         if context.pace_slack is not None:
             tally = step_tally(route_log, tally)
         # The batch this answer asks for sets the notice term of the next step.

@@ -253,3 +253,70 @@ async def test_with_default_settings_a_relative_root_works_and_no_key_reaches_a_
             assert len(cloud.requests) == 1
         log = (tmp_path / "server.log").read_text(encoding="utf-8")
         assert KEY not in log, "the key reached the server log"
+
+
+async def test_budgets_resynthesis_and_the_routing_key_through_langgraph_dev(tmp_path: Path) -> None:
+    """Beyond the design, as a Studio user gets it: budget fields in the schema, a run that may only
+    lower the operator's budget, a local reply re-written by cloud, and the routing key on local calls."""
+    from fusion_graph.providers.slots import routing_key
+
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("hello\n", encoding="utf-8")
+    plan = Reply(content="Plan: list the workspace", tool_calls=[("list_dir", {"path": "."})])
+    with (
+        FakeOpenAI([plan, Reply(content="the workspace holds notes.txt (rewritten)")]) as cloud,
+        FakeOpenAI([Reply(content="local draft"), Reply(content="local plan")]) as local,
+    ):
+        settings = {
+            "OPENAI_API_KEY": "sk-operator-key",
+            "FUSION_CLOUD_BASE_URL": cloud.base_url,
+            "FUSION_LOCAL_BASE_URL": local.base_url,
+            "FUSION_LOCAL_SLOTS": "4",
+            "FUSION_WORKSPACE_ROOT": str(workspace),
+            "FUSION_THREAD_CLOUD_BUDGET_USD": "0.5",  # the operator's ceiling
+            "FUSION_CLOUD_PRICE_LIKE": "openai",  # a budget needs a price: the fake bills like OpenAI
+        }
+        with serve(tmp_path, settings) as url:
+            client: Any = get_client(url=url)
+            [assistant] = await client.assistants.search(graph_id="fusion")
+            graph_id = assistant["assistant_id"]
+            schemas = await client.assistants.get_schemas(graph_id)
+            properties: dict[str, Any] = schemas["context_schema"]["properties"]
+            assert {"turn_cloud_budget_usd", "thread_cloud_budget_usd", "resynthesize"} <= set(properties)
+
+            # A caller asking for more than the operator allows gets the operator's ceiling; the turn
+            # ends on a local reply, which cloud re-writes.
+            thread = await client.threads.create()
+            result = await client.runs.wait(
+                thread["thread_id"],
+                graph_id,
+                input={"messages": [{"role": "user", "content": "what is in the workspace?"}]},
+                context={
+                    "sub_runners": "off",
+                    "thread_cloud_budget_usd": 1000,
+                    "resynthesize": "local_replies",
+                },
+                raise_error=False,
+            )
+            assert isinstance(result, dict) and "__error__" not in result, result
+            kinds = [(r["kind"], r["leg"]) for r in result["route_log"]]
+            assert kinds == [("plan", "cloud"), ("step", "local"), ("synthesis", "cloud")]
+            assert result["messages"][-1]["content"] == "the workspace holds notes.txt (rewritten)"
+            assert result["route_log"][-1]["extra"]["draft"] == "local draft"
+            assert result["route_log"][0]["extra"]["cloud_step_usd"] > 0  # priced against the budget
+            assert local.request_headers[0]["x-fusion-thread"] == routing_key(thread["thread_id"])
+
+            # A run may lower the budget: at 0 even the plan runs local, and says why.
+            thread = await client.threads.create()
+            lowered = await client.runs.wait(
+                thread["thread_id"],
+                graph_id,
+                input={"messages": [{"role": "user", "content": "hi"}]},
+                context={"sub_runners": "off", "thread_cloud_budget_usd": 0},
+                raise_error=False,
+            )
+            assert isinstance(lowered, dict) and "__error__" not in lowered, lowered
+            [plan_record] = lowered["route_log"]
+            assert plan_record["leg"] == "local" and "thread budget $0.0" in plan_record["reason"]
+            assert len(cloud.requests) == 2
