@@ -16,6 +16,10 @@ from fusion_graph.routing import Leg
 
 StepKind = Literal["plan", "step", "repair", "memory", "synthesis", "sampling"]
 
+#: Inferences beside the turn's steps (memory jobs, a reply's re-write, MCP samples): not routed
+#: by the score, so step counts and the share of steps on cloud leave them out.
+SIDE_KINDS = frozenset({"memory", "synthesis", "sampling"})
+
 
 class DecisionFields(TypedDict):
     """A routing decision as plain data: the score, its terms, the threshold, the reason, the signals."""

@@ -26,6 +26,7 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.run import DEFAULT_DB
+from fusion_graph.state import SIDE_KINDS
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -142,13 +143,48 @@ def savings(cost: float, all_cloud: float | None) -> tuple[float | None, float |
     return saved, (round(saved / all_cloud, 4) if all_cloud > 0 else None)
 
 
+#: In a record's reason, the text ``budget.within_budget`` adds when a cloud budget moved the step local.
+BUDGET_MARK = " budget $"
+
+
+def kept_local_by_budget(record: RouteRecord) -> bool:
+    """Whether a cloud budget kept this step local (its reason says so, or ``extra`` has ``cloud_budget``)."""
+    reason = record.get("reason") or ""
+    return (BUDGET_MARK in reason and reason.endswith(": local")) or "cloud_budget" in (
+        record.get("extra") or {}
+    )
+
+
+def budget_summary(records: Sequence[RouteRecord]) -> dict[str, Any]:
+    """Cloud spend of a thread's records against the budget rule's terms.
+
+    ``cloud_spend_usd`` sums the cost of the inferences the cloud leg answered
+    (what the budgets count), ``max_turn_cloud_usd`` the largest of a turn;
+    ``budget_local_steps`` counts steps a budget kept local; ``synthesis_done`` /
+    ``synthesis_skipped`` the re-syntheses of local replies made and not made.
+    """
+    by_turn: dict[int, float] = {}
+    for record in records:
+        if record["leg"] == "cloud" and record["cost_usd"]:
+            by_turn[record["turn"]] = by_turn.get(record["turn"], 0.0) + record["cost_usd"]
+    synthesis = [r for r in records if r["kind"] == "synthesis"]
+    skipped = sum("skipped" in (r.get("extra") or {}) for r in synthesis)
+    return {
+        "cloud_spend_usd": sum(by_turn.values()),
+        "max_turn_cloud_usd": max(by_turn.values(), default=0.0),
+        "budget_local_steps": sum(kept_local_by_budget(r) for r in records),
+        "synthesis_done": len(synthesis) - skipped,
+        "synthesis_skipped": skipped,
+    }
+
+
 def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) -> dict[str, Any]:
     """Routing, cost and savings of one thread's records (both cloud shares: see ``CloudShare``)."""
     from fusion_graph.providers.pricing import chain_totals
 
     totals = chain_totals(records)
     share = CloudShare.of(records)
-    legs = [r["routed_leg"] for r in records if r["kind"] != "memory"]
+    legs = [r["routed_leg"] for r in records if r["kind"] not in SIDE_KINDS]
     all_cloud = all_cloud_cost(records, cloud)
     saved, fraction = savings(totals.total.cost_usd, all_cloud)
     return {
@@ -171,6 +207,7 @@ def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) ->
         "all_cloud_cost_usd": all_cloud,
         "savings_usd": saved,
         "savings_fraction": fraction,
+        **budget_summary(records),
     }
 
 
@@ -181,6 +218,7 @@ def totals_summary(
     total = thread_summary([record for log in logs for record in log], cloud)
     for name in ("turns", "switches"):
         total[name] = sum(row[name] for row in rows)
+    total["max_turn_cloud_usd"] = max((row["max_turn_cloud_usd"] for row in rows), default=0.0)
     return {"threads": len(rows), **total}
 
 
@@ -262,6 +300,59 @@ def report_table(db: Path, threads: dict[str, dict[str, Any]], total: dict[str, 
     return table
 
 
+def _against(spent: float, limit: float | None) -> str:
+    if limit is None:
+        return _money(spent)
+    return f"{_money(spent)}\n{spent / limit:.0%} of ${limit:g}" if limit > 0 else f"{_money(spent)}\nof $0"
+
+
+def budget_table(
+    threads: dict[str, dict[str, Any]], total: dict[str, Any], budget: dict[str, float | None]
+) -> Table:
+    """Per thread and in total: cloud spend against the budgets, steps kept local, re-syntheses.
+
+    The thread's spend is shown against the thread budget, its largest turn's
+    against the turn budget.
+    """
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    limits = ", ".join(
+        f"{name} ${budget[key]:g}"
+        for name, key in (("turn", "turn_usd"), ("thread", "thread_usd"))
+        if budget[key] is not None
+    )
+    table = Table(
+        title="cloud spend against budget ("
+        + (f"operator budgets: {limits}" if limits else "no budget set")
+        + ")",
+        caption="spend: cost of the inferences cloud answered; kept local: steps a budget moved off cloud",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+        title_justify="left",
+        caption_justify="left",
+    )
+    table.add_column("thread", overflow="fold", max_width=24)
+    for name in ("cloud spend", "largest turn", "kept local", "synthesis\ndone", "synthesis\nskipped"):
+        table.add_column(name, justify="right", no_wrap=True)
+
+    def cells(row: dict[str, Any], thread_limit: float | None) -> list[str]:
+        return [
+            _against(row["cloud_spend_usd"], thread_limit),
+            _against(row["max_turn_cloud_usd"], budget["turn_usd"]),
+            str(row["budget_local_steps"]),
+            str(row["synthesis_done"]),
+            str(row["synthesis_skipped"]),
+        ]
+
+    for index, (tid, row) in enumerate(threads.items()):
+        table.add_row(Text(tid), *cells(row, budget["thread_usd"]), end_section=index == len(threads) - 1)
+    table.add_row(Text(f"total ({total['threads']})", style="bold"), *cells(total, None), style="bold")
+    return table
+
+
 def report(
     db: Annotated[
         Path, typer.Option(help="SQLite checkpoint file (what `fusion-graph run` wrote).")
@@ -281,6 +372,11 @@ def report(
     inferences keep their recorded cost. Savings are all-cloud minus cost. Both
     cloud shares are shown: of all steps, and of continuation steps (what
     cloud_share sets; each turn's plan runs on cloud whenever cloud_share > 0).
+
+    A second table shows each thread's cloud spend against the operator's
+    budgets (FUSION_TURN_CLOUD_BUDGET_USD, FUSION_THREAD_CLOUD_BUDGET_USD, when
+    set): the thread's spend, its largest turn's, the steps a budget kept local
+    and the re-syntheses of local replies made and skipped.
     """
     run_context = build_context(context)
     settings = build_settings()
@@ -301,6 +397,7 @@ def report(
     }
     total = totals_summary([one.route_log for one in stored.values()], list(threads.values()), prices)
     hint = price_hint(run_context.cloud_model or settings.cloud_model, prices, total["unpriced"])
+    budget = {"turn_usd": settings.turn_cloud_budget_usd, "thread_usd": settings.thread_cloud_budget_usd}
     if as_json:
         output = {
             "db": str(db),
@@ -309,10 +406,12 @@ def report(
             "savings_usd": total["savings_usd"],
             "savings_fraction": total["savings_fraction"],
             "price_hint": hint,
+            "cloud_budget": budget,
         }
         typer.echo(json.dumps(output, indent=2))
         return
     stdout_console().print(report_table(db, threads, total))
+    stdout_console().print(budget_table(threads, total, budget))
     if hint is not None:
         from rich.text import Text
 

@@ -51,19 +51,84 @@ ContextOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 
 
+TurnBudgetOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--turn-budget",
+        help="USD a turn may spend on cloud (the run's turn_cloud_budget_usd): a cloud step that would "
+        "pass it runs local, by the graph's rule (priced before the call with max_completion_tokens).",
+        min=0,
+    ),
+]
+ThreadBudgetOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--thread-budget",
+        help="USD a thread (one trajectory) may spend on cloud (the run's thread_cloud_budget_usd).",
+        min=0,
+    ),
+]
+
+
 def replay_with_progress(
-    trajectories: Sequence[RecordedTrajectory], context: FusionContext, *, label: str = "replaying"
+    trajectories: Sequence[RecordedTrajectory],
+    context: FusionContext,
+    *,
+    label: str = "replaying",
+    prices: StepPrices | None = None,
 ) -> list[ReplayedTrajectory]:
-    """Replay every trajectory, with a progress bar on stderr."""
+    """Replay every trajectory, with a progress bar on stderr.
+
+    With ``prices``, cloud steps are priced while routing, so the context's cloud budgets apply.
+    """
     from fusion_graph.replay.traces import replay_trajectory
 
     replays = []
     with progress() as bar:
         task = bar.add_task(label, total=len(trajectories))
         for trajectory in trajectories:
-            replays.append(replay_trajectory(trajectory, context))
+            replays.append(replay_trajectory(trajectory, context, prices))
             bar.advance(task)
     return replays
+
+
+def budget_sentence(result: dict[str, Any]) -> str | None:
+    """The budget a ``summarize`` result ran under and what it did, or ``None`` when none was set."""
+    budget = result["budget"]
+    if budget is None or (isinstance(budget, dict) and not any(v is not None for v in budget.values())):
+        return None
+    if isinstance(budget, dict):
+        limits = ", ".join(
+            f"{name} ${budget[key]:g}"
+            for name, key in (("turn", "turn_usd"), ("thread", "thread_usd"))
+            if budget[key] is not None
+        )
+    else:
+        limits = "per trajectory"
+    return (
+        f"cloud budget ({limits}): {result['budget_local_steps']} step(s) moved local "
+        f"({result['budget_local_plan_steps']} of them plans); cloud spend {_money(result['cloud_cost_usd'])}"
+    )
+
+
+def resynthesis_sentence(result: dict[str, Any]) -> str:
+    """What re-synthesis of local replies would add, from a ``summarize`` result."""
+    again = result["resynthesis"]
+    fractions = (
+        f" = {again['fraction_of_cloud_cost']:.2f} of the run's cloud cost"
+        if again["fraction_of_cloud_cost"] is not None
+        else ""
+    ) + (
+        f", {again['fraction_of_all_cloud_cost']:.3f} of all-cloud"
+        if again["fraction_of_all_cloud_cost"] is not None
+        else ""
+    )
+    skipped = f"; the budget skips {again['skipped_by_budget']}" if again["skipped_by_budget"] else ""
+    return (
+        f"re-synthesis (resynthesize=local_replies): {again['turns_ending_local']} of {again['turns']} turns "
+        f"end on a local reply; {again['resynthesized']} re-written on cloud{skipped}, adding "
+        f"{_money(again['added_cost_usd'])}{fractions}"
+    )
 
 
 def _money(value: float | None) -> str:
@@ -141,6 +206,16 @@ def replay(
     plot_limit: Annotated[
         int, typer.Option(help="Trajectories drawn by --plot (more than 16: a summary figure).", min=1)
     ] = 8,
+    turn_budget: TurnBudgetOpt = None,
+    thread_budget: ThreadBudgetOpt = None,
+    resynthesize: Annotated[
+        bool,
+        typer.Option(
+            "--resynthesize",
+            help="Also print what resynthesize=local_replies would add: turns ending on a local reply "
+            "and the cloud cost of re-writing them (always in --json, under 'resynthesis').",
+        ),
+    ] = False,
 ) -> None:
     """Route every step of recorded trajectories with the graph's own routing (no model calls).
 
@@ -152,13 +227,22 @@ def replay(
     prices (the operator's FUSION_PRICE_OVERRIDES or the genai-prices catalogue)
     and local steps at FUSION_LOCAL_PRICE_PER_MTOK, with no cached input;
     all_cloud_cost_usd prices every step on cloud.
+
+    --turn-budget / --thread-budget apply the graph's cloud budget (each
+    trajectory is one thread): a cloud step whose estimate would pass it runs
+    local; the budgeted run's cloud spend and the steps moved are shown.
     """
     from fusion_graph.replay.traces import families, summarize
 
-    run_context = build_context(context, cloud_share=cloud_share)
+    run_context = build_context(
+        context,
+        cloud_share=cloud_share,
+        turn_cloud_budget_usd=turn_budget,
+        thread_cloud_budget_usd=thread_budget,
+    )
     trajectories = load_or_fail(traces)
-    replays = replay_with_progress(trajectories, run_context)
     prices = run_prices(run_context, build_settings())
+    replays = replay_with_progress(trajectories, run_context, prices=prices)
     result = summarize(replays, prices)
     if plot is not None:
         from fusion_graph.replay.plot import MAX_TIMELINES, PlotUnavailable, replay_figure
@@ -180,6 +264,11 @@ def replay(
     title = f"replay at {dial_words(run_context)}"
     console.print(summary_table(title, by_family, paced=run_context.pace_slack is not None))
     console.print(share_sentence(result), highlight=False, soft_wrap=True)
+    budget = budget_sentence(result)
+    if budget is not None:
+        console.print(budget, highlight=False, soft_wrap=True)
+    if resynthesize:
+        console.print(resynthesis_sentence(result), highlight=False, soft_wrap=True)
     console.print(f"note: {result['note']}", highlight=False, soft_wrap=True)
     if plot is not None:
         shown = min(plot_limit, len(replays))
@@ -224,9 +313,16 @@ def _priced(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> list[l
 
 
 def calibration_output(
-    found: Calibration, checked: dict[str, Any], calibrated: dict[str, Any]
+    found: Calibration,
+    checked: dict[str, Any],
+    calibrated: dict[str, Any],
+    unbudgeted: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``calibrate --json`` object: the target, both shares, cost and the context."""
+    """The ``calibrate --json`` object: the target, both shares, cost and the context.
+
+    Under a cloud budget, ``checked`` is the budgeted replay (what the shares and
+    cost report), ``unbudgeted`` the same dial without the budget.
+    """
     achieved = {
         "continuation": checked["continuation_cloud_fraction"],
         "all": checked["cloud_fraction"],
@@ -243,6 +339,18 @@ def calibration_output(
         "plan_steps": checked["plan_steps"],
         "continuation_steps": checked["continuation_steps"],
         "note": checked["note"],
+        "cost_usd": checked["cost_usd"],
+        "cloud_cost_usd": checked["cloud_cost_usd"],
+        "budget": checked["budget"],
+        "budget_local_steps": checked["budget_local_steps"],
+        "without_budget": None
+        if unbudgeted is None
+        else {
+            "cloud_fraction": unbudgeted["cloud_fraction"],
+            "continuation_cloud_fraction": unbudgeted["continuation_cloud_fraction"],
+            "cost_fraction": unbudgeted["cost_fraction"],
+            "cloud_cost_usd": unbudgeted["cloud_cost_usd"],
+        },
         "context": calibrated,
     }
 
@@ -285,6 +393,8 @@ def calibrate_command(
             "for targets 0.05-0.95 and the requested one."
         ),
     ] = None,
+    turn_budget: TurnBudgetOpt = None,
+    thread_budget: ThreadBudgetOpt = None,
 ) -> None:
     """Find the context that sends the target fraction of steps (or of cost) to cloud.
 
@@ -299,6 +409,12 @@ def calibrate_command(
     (pace_slack) unless told not to: a table alone holds the share on the
     traces it was fitted on, not on other conversations. Pass the printed
     context as the run context (or to replay --context).
+
+    With --turn-budget / --thread-budget the table and cloud_share are fitted
+    on the traces without the budget (the dial's own share), then checked with
+    it: the shares and cost shown are those of the budgeted run (the budget only
+    moves cloud steps local, so they can fall below the target; the unbudgeted
+    figures are in --json under without_budget). The context carries the budgets.
     """
     from fusion_graph.context import ensure_context
     from fusion_graph.replay.calibration import CalibrationError, calibrate_many
@@ -307,6 +423,8 @@ def calibrate_command(
 
     target, kind = _target(target_cloud_fraction, target_cost_fraction, of)
     given = context_dict(context)
+    budgets = {"turn_cloud_budget_usd": turn_budget, "thread_cloud_budget_usd": thread_budget}
+    given.update({key: value for key, value in budgets.items() if value is not None})
     if pace_slack is None:
         pace_slack = given.get("pace_slack", CALIBRATED_PACE_SLACK)
     try:
@@ -340,7 +458,17 @@ def calibrate_command(
     if missed is not None:
         hint = " (--of continuation targets the steps the dial decides)" if kind == "all" else ""
         raise fail(missed + hint)
-    checked = summarize(replay_with_progress(trajectories, found.context, label="checking"), prices)
+    checked = summarize(
+        replay_with_progress(trajectories, found.context, label="checking", prices=prices), prices
+    )
+    limited = (
+        found.context.turn_cloud_budget_usd is not None or found.context.thread_cloud_budget_usd is not None
+    )
+    unbudgeted = (
+        summarize(replay_with_progress(trajectories, found.context, label="unbudgeted"), prices)
+        if limited
+        else None
+    )
     calibrated = {
         **given,
         "mode": "fusion",
@@ -349,7 +477,7 @@ def calibrate_command(
         "score_quantiles": list(found.context.score_quantiles or ()),
         "pace_slack": found.context.pace_slack,
     }
-    output = calibration_output(found, checked, calibrated)
+    output = calibration_output(found, checked, calibrated, unbudgeted)
     if save is not None:
         save.write_text(json.dumps(calibrated, indent=1) + "\n", encoding="utf-8")
     if as_json:
@@ -373,6 +501,15 @@ def calibrate_command(
         _share(checked["cost_fraction"]),
     )
     console.print(table)
+    budget = budget_sentence(checked)
+    if budget is not None and unbudgeted is not None:
+        console.print(
+            f"{budget}; without it: {unbudgeted['cloud_fraction']:.3f} of all steps, "
+            f"{unbudgeted['continuation_cloud_fraction']:.3f} of continuation steps, "
+            f"cost {_share(unbudgeted['cost_fraction'])} of all-cloud",
+            highlight=False,
+            soft_wrap=True,
+        )
     console.print(f"note: {checked['note']}", highlight=False, soft_wrap=True)
     if plot is not None:
         console.print(f"calibration curve written to {plot}", highlight=False)

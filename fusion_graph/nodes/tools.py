@@ -5,10 +5,13 @@ only call left in its batch, it routes the next step itself with the same
 ``RouteNode`` logic, so a one-call step costs no extra superstep; when several
 calls run at once, each goes to ``route``, which joins them and decides once.
 
-Two things go through ``ToolNode``'s own ``awrap_tool_call`` hook: each
-result is capped to ``max_tool_output_tokens`` (``fusion_graph.tools.output_cap``),
-and the state ``ToolNode`` read for the call is kept, so the lone call of a
-batch can route the next step without reading the graph's channels itself.
+Three things go through ``ToolNode``'s own ``awrap_tool_call`` hook: each
+result is capped to ``max_tool_output_tokens`` (``fusion_graph.tools.output_cap``);
+the state ``ToolNode`` read for the call is kept, so the lone call of a
+batch can route the next step without reading the graph's channels itself;
+and each call runs in a ``sampling_scope``, so the records of MCP sampling
+requests answered during it (``fusion_graph.providers.sampling``) join the
+thread's ``route_log`` and ``totals`` with the call's result.
 """
 
 from __future__ import annotations
@@ -27,8 +30,11 @@ from langgraph.types import Command
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import make_tool_node, next_wave
 from fusion_graph.nodes.route import RouteNode
+from fusion_graph.providers.inference import ROUTE_EVENT
+from fusion_graph.providers.records import totals_of
+from fusion_graph.providers.sampling import sampling_scope
 from fusion_graph.redact import scrub_content
-from fusion_graph.state import State
+from fusion_graph.state import RouteRecord, State, add_totals
 from fusion_graph.tools.output_cap import cap_output
 from fusion_graph.turn import pending_calls
 
@@ -37,6 +43,8 @@ AfterTool = Literal["route", "local", "cloud", "repair", "step_limit", "give_up"
 
 #: The states ``ToolNode`` read for the calls of this task (set per task; the hook appends).
 _SEEN_STATE: ContextVar[list[Any] | None] = ContextVar("fusion_tool_state", default=None)
+#: The sampling records of the calls of this task (set per task; the hook appends).
+_SAMPLED: ContextVar[list[RouteRecord] | None] = ContextVar("fusion_tool_sampled", default=None)
 
 
 class ToolStep:
@@ -52,14 +60,29 @@ class ToolStep:
         request: ToolCallRequest,
         execute: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
     ) -> ToolMessage | Command[Any]:
-        """``ToolNode``'s hook around each call: keep the state it read, scrub keys, cap the output."""
+        """``ToolNode``'s hook around each call: keep the state it read, collect sampling, scrub, cap."""
         seen = _SEEN_STATE.get()
         if seen is not None:
             seen.append(request.state)
-        output = await execute(request)
+        context = ensure_context(request.runtime.context)
+        state = request.state if isinstance(request.state, dict) else {}
+        thread = (request.runtime.config.get("configurable") or {}).get("thread_id")
+        with sampling_scope(
+            turn=int(state.get("turn", 0)),
+            step=int(state.get("step", 0)),
+            thread_id=str(thread or "default"),
+            context=context,
+            route_log=state.get("route_log") or (),
+        ) as scope:
+            output = await execute(request)
+        sampled = _SAMPLED.get()
+        if scope.records and sampled is not None:
+            sampled.extend(scope.records)
+            for record in scope.records:
+                request.runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
         if isinstance(output, ToolMessage):  # the operator's keys never reach the model or the checkpoint
             output = output.model_copy(update={"content": scrub_content(output.content)})
-        limit = ensure_context(request.runtime.context).max_tool_output_tokens
+        limit = context.max_tool_output_tokens
         return cast("ToolMessage | Command[Any]", cap_output(output, limit))
 
     async def __call__(
@@ -71,29 +94,60 @@ class ToolStep:
         (named as LangGraph's node protocol names a node's input).
         """
         seen: list[Any] = []
-        token = _SEEN_STATE.set(seen)
+        sampled: list[RouteRecord] = []
+        token, sampled_token = _SEEN_STATE.set(seen), _SAMPLED.set(sampled)
         try:
             output = await self.tool_node.ainvoke(state, get_config())
         finally:
             _SEEN_STATE.reset(token)
+            _SAMPLED.reset(sampled_token)
+        records = _records_update(sampled)
         if not seen or not isinstance(output, dict):
-            return _to_route(output)
+            return _to_route(output, records)
         read = cast(State, seen[0])
         pending = pending_calls(read["messages"])
         alone = [c["id"] for c in next_wave(pending)] == [c["id"] for c in state]
         if not alone or len(pending) != 1:
-            return _to_route(output)
+            return _to_route(output, records)
         added: list[AnyMessage] = list(output.get("messages", []))
         after = cast(State, {**read, "messages": [*read["messages"], *added]})
+        if records:  # the router reads the log as it will be (its step tally counts records)
+            after["route_log"] = [*read.get("route_log", []), *sampled]
         decided = await self.route(after, runtime)
-        update = {"messages": added, **(cast(dict[str, Any], decided.update) or {})}
+        update = _merged({"messages": added, **records}, cast(dict[str, Any], decided.update) or {})
         return Command(update=update, goto=decided.goto)
 
 
-def _to_route(output: Any) -> Any:
-    """``ToolNode``'s output, continued at ``route`` (the join)."""
+def _records_update(records: list[RouteRecord]) -> dict[str, Any]:
+    """A state update adding sampling records to ``route_log``, and those answered to ``totals``.
+
+    A request no provider answered is logged (with its attempts) but, like an
+    unanswered step, adds nothing to ``totals``.
+    """
+    if not records:
+        return {}
+    totals: dict[str, Any] = {}
+    for record in records:
+        if record["provider"] is not None:
+            totals = add_totals(totals, totals_of(record))
+    return {"route_log": list(records), "totals": totals} if totals else {"route_log": list(records)}
+
+
+def _merged(update: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """``update`` and ``more`` as one update: ``route_log`` entries appended, ``totals`` added."""
+    merged = {**update, **more}
+    if "route_log" in update and "route_log" in more:
+        merged["route_log"] = [*update["route_log"], *more["route_log"]]
+    if "totals" in update and "totals" in more:
+        merged["totals"] = add_totals(update["totals"], more["totals"])
+    return merged
+
+
+def _to_route(output: Any, records: dict[str, Any] | None = None) -> Any:
+    """``ToolNode``'s output (and the sampling ``records`` update), continued at ``route`` (the join)."""
+    records = records or {}
     if isinstance(output, dict):
-        return Command(update=output, goto="route")
+        return Command(update=_merged(output, records), goto="route")
     if isinstance(output, list):  # Commands from tools (and maybe plain updates): keep them all
-        return [*output, Command(goto="route")]
+        return [*output, Command(update=records or None, goto="route")]
     return output
