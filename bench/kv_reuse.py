@@ -24,7 +24,8 @@ is ``len(tokens) - LCP(tokens, previous local tokens)``.
 This module is the entry point (arguments, one fresh server per run, the
 results JSON); the pieces live in ``bench.traces``, ``bench.kv_plan``,
 ``bench.kv_server``, ``bench.kv_replay``, ``bench.kv_results`` and
-``bench.kv_report``. Run ``python -m bench.kv_reuse --help``; see bench/README.md.
+``bench.kv_report``; ``--gateway`` (two boxes behind a real smg gateway) lives in
+``bench.kv_gateway``. Run ``python -m bench.kv_reuse --help``; see bench/README.md.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import kv_gateway
+from bench.kv_gateway import DEFAULT_THREADS as GATEWAY_DEFAULT_THREADS
+from bench.kv_gateway import GATEWAY_DEFAULT_VARIANTS
 from bench.kv_plan import CLOUD_SHARE, ThreadPlan, plan_thread, route_trajectory
 from bench.kv_replay import DEFAULT_VARIANTS, VARIANTS, run_variant
 from bench.kv_report import CLOUD_COUNT_NOTE, TIMING_NOTE, format_table, format_targets
@@ -86,15 +90,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads",
         type=parse_threads,
-        default=[1, 4],
-        help="concurrency levels, comma-separated (default: 1,4)",
+        default=None,
+        help="concurrency levels, comma-separated (default: 1,4; with --gateway: threads replayed at once, "
+        f"default {','.join(map(str, GATEWAY_DEFAULT_THREADS))})",
     )
     parser.add_argument(
         "--variants",
-        default=",".join(DEFAULT_VARIANTS),
+        default=None,
         help="comma-separated, any of: "
         + ", ".join(v.name for v in VARIANTS)
-        + f" (default: {','.join(DEFAULT_VARIANTS)})",
+        + f" (default: {','.join(DEFAULT_VARIANTS)}); with --gateway any of: "
+        + ", ".join(GATEWAY_DEFAULT_VARIANTS)
+        + " (default: all)",
+    )
+    parser.add_argument(
+        "--gateway",
+        action="store_true",
+        help="replay the SWE-agent traces over 2 llama-server boxes behind a real smg gateway "
+        "(manual_min_group, cache_aware, round_robin); see bench/kv_gateway.py",
     )
     parser.add_argument(
         "--cloud-share",
@@ -110,7 +123,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="never release a finished thread's slot (the graph never calls SlotPool.release); "
         "by default a finished trajectory releases its slot",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.threads is None:
+        args.threads = list(GATEWAY_DEFAULT_THREADS) if args.gateway else [1, 4]
+    if args.variants is None:
+        args.variants = ",".join(GATEWAY_DEFAULT_VARIANTS if args.gateway else DEFAULT_VARIANTS)
+    return args
 
 
 def _progress(message: str) -> None:
@@ -235,6 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.gateway:
+        return kv_gateway.main(args)
     result = explained(lambda: run(args), args.traces)
     if result is None:
         return 2

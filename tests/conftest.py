@@ -19,6 +19,7 @@ pytest_plugins = [
     "tests.plugins.scripted_llama",  # a real llama-server call with scripted tool calls
     "tests.plugins.llama",  # real llama-server: llama_server_bin, tiny_model, llama_server, own_llama_server
     "tests.plugins.postgres",  # real PostgreSQL: postgres_url, postgres_db
+    "tests.plugins.pool",  # several real llama-servers behind a real smg gateway: llama_pool
 ]
 
 

@@ -351,9 +351,11 @@ class ProviderResolver:
             total = props.total_slots
         key = (url, total, reserve)
         if key not in self._pools:
-            pooled = self.pooled and self._injected["local"] is None
-            kind = BoxSlots if pooled else SlotPool
-            self._pools[key] = kind(total, reserve_reflection=reserve)
+            if self.pooled and self._injected["local"] is None:
+                boxes = self.settings.local_workers
+                self._pools[key] = BoxSlots(total, boxes=boxes, reserve_reflection=reserve)
+            else:
+                self._pools[key] = SlotPool(total, reserve_reflection=reserve)
         return self._pools[key]
 
     async def served(self, link: ChainLink, context: FusionContext, thread_id: str, box: str) -> str | None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from fusion_graph.routing import Leg
@@ -67,14 +68,22 @@ class SlotPool:
         digest = hashlib.sha256(thread_id.encode("utf-8")).digest()
         return int.from_bytes(digest[:8], "big") % self.conversation_slots
 
-    def slot_for(self, thread_id: str) -> int:
-        """The slot of a conversation: kept while it is live, preferred slot first."""
+    def held(self) -> set[int]:
+        """The slots live threads hold."""
+        with self._lock:
+            return set(self._held.values())
+
+    def slot_for(self, thread_id: str, *, prefer: int | None = None) -> int:
+        """The slot of a conversation: kept while it is live, preferred slot first.
+
+        ``prefer``: a slot to take instead of the hash-preferred one (where the thread already is).
+        """
         with self._lock:
             if thread_id in self._held:
                 self._held.move_to_end(thread_id)
                 return self._held[thread_id]
             taken = set(self._held.values())
-            preferred = self.preferred_slot(thread_id)
+            preferred = self.preferred_slot(thread_id) if prefer is None else prefer
             n = self.conversation_slots
             for offset in range(n):
                 candidate = (preferred + offset) % n
@@ -100,23 +109,36 @@ def routing_key(thread_id: str) -> str:
     return "t" + hashlib.sha256(b"fusion-thread\0" + thread_id.encode("utf-8")).hexdigest()[:24]
 
 
+def box_name(url: str) -> str:
+    """A box's URL as a gateway names it: no trailing ``/`` or ``/v1``."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 class BoxSlots:
     """Slots of a local endpoint that is a gateway over several llama-server boxes of ``-np`` slots each.
 
     The gateway, not the graph, places a thread on a box (by its routing key);
     it names the box in its answer, and ``served`` learns it. A thread whose box
     is known gets a slot of that box's own ``SlotPool`` (so threads on one box
-    never share a slot while the box has enough); before that (its first local
-    request), its hash-preferred slot. Every box keeps its reflection slot.
+    never share a slot while the box has enough). A thread's first request takes
+    a slot no live thread holds on any box (``_first_slot``): a held slot would be
+    overwritten, and llama-server does not restore a prompt that shares a long
+    system prefix with the slot's. Every box keeps its reflection slot.
     """
 
-    def __init__(self, per_box_slots: int, *, reserve_reflection: bool = True) -> None:
-        """Pools of ``per_box_slots`` slots (each box's ``-np``), created per box as boxes are seen."""
+    def __init__(
+        self, per_box_slots: int, *, boxes: Sequence[str] = (), reserve_reflection: bool = True
+    ) -> None:
+        """Pools of ``per_box_slots`` slots (each box's ``-np``), one per box (``boxes``, or as seen)."""
         self._template = SlotPool(per_box_slots, reserve_reflection=reserve_reflection)
         self.total_slots = per_box_slots
         self.reserve_reflection = reserve_reflection
-        self._boxes: dict[str, SlotPool] = {}
+        self._boxes: dict[str, SlotPool] = {
+            box_name(box): SlotPool(per_box_slots, reserve_reflection=reserve_reflection) for box in boxes
+        }
         self._box_of: OrderedDict[str, str] = OrderedDict()
+        self._pending: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -134,45 +156,71 @@ class BoxSlots:
         with self._lock:
             return self._box_of.get(thread_id)
 
+    def _first_slot(self, thread_id: str) -> int:
+        """The slot of a thread's first request, whose box is not known yet.
+
+        The lowest slot no live thread holds on any box, so it overwrites no one's
+        cache wherever the gateway places it; when every slot is held somewhere, the
+        lowest free on the boxes with the fewest threads (where ``min_group`` puts
+        a new key); else the hash-preferred slot.
+        """
+        taken = set(self._pending.values())
+        for pool in self._boxes.values():
+            taken |= pool.held()
+        free = [slot for slot in range(self.conversation_slots) if slot not in taken]
+        if free:
+            return free[0]
+        load = Counter(self._box_of.values())
+        fewest = min((load[box] for box in self._boxes), default=0)
+        taken = set(self._pending.values())
+        for box, pool in self._boxes.items():
+            if load[box] == fewest:
+                taken |= pool.held()
+        free = [slot for slot in range(self.conversation_slots) if slot not in taken]
+        return free[0] if free else self._template.preferred_slot(thread_id)
+
     def slot_for(self, thread_id: str) -> int:
-        """The thread's slot on its box (its hash-preferred slot while the box is unknown)."""
+        """The thread's slot on its box (before its box is known, see ``_first_slot``)."""
         with self._lock:
             box = self._box_of.get(thread_id)
             pool = self._boxes.get(box) if box is not None else None
-        if pool is None:
-            return self._template.preferred_slot(thread_id)
+            if pool is None:
+                slot = self._pending.get(thread_id)
+                if slot is None:
+                    slot = self._pending[thread_id] = self._first_slot(thread_id)
+                return slot
         return pool.slot_for(thread_id)
 
     def served(self, thread_id: str, box: str) -> str | None:
         """Learn that ``box`` served the thread; returns the box it moved from (``None``: no move).
 
-        A move (the gateway re-placed the key after its box failed) frees the
+        The thread keeps the slot its first request used when it is free there. A
+        move (the gateway re-placed the key after its box failed) frees the
         thread's slot on the old box and takes one on the new box.
         """
+        box = box_name(box)
         with self._lock:
             before = self._box_of.get(thread_id)
+            first = self._pending.pop(thread_id, None)
             self._box_of[thread_id] = box
             self._box_of.move_to_end(thread_id)
             if len(self._box_of) > 65_536:  # forget the least recently served threads
                 self._box_of.popitem(last=False)
             pool = self._boxes.get(box)
             if pool is None:
-                pool = self._boxes[box] = SlotPool(
-                    self.total_slots, reserve_reflection=self.reserve_reflection
-                )
+                pool = SlotPool(self.total_slots, reserve_reflection=self.reserve_reflection)
+                self._boxes[box] = pool
             old = self._boxes.get(before) if before is not None and before != box else None
         if old is not None:
             old.release(thread_id)
-        if before is None or before == box:
-            pool.slot_for(thread_id)  # hold its slot from now on (the one it just used, when free)
-            return None
-        pool.slot_for(thread_id)
-        return before
+        pool.slot_for(thread_id, prefer=first)  # held from now on
+        return before if before is not None and before != box else None
 
     def release(self, thread_id: str) -> None:
         """Forget a thread on its box."""
         with self._lock:
             box = self._box_of.pop(thread_id, None)
+            self._pending.pop(thread_id, None)
             pool = self._boxes.get(box) if box is not None else None
         if pool is not None:
             pool.release(thread_id)

@@ -1,4 +1,4 @@
-"""Test harness for fusion-graph: a real ``llama-server`` and a tiny model for it to serve.
+"""Test harness for fusion-graph: a real ``llama-server``, a tiny model for it to serve, and ``smg``.
 
 A distribution of its own (``fusion-graph-testing``, under ``testing/`` in the
 repository), as LangChain ships ``langchain-tests``: the ``fusion-graph`` wheel
@@ -7,7 +7,8 @@ is the runtime, and this harness needs packages the runtime does not
 install it to start the same server the integration tests use; ``fusion_graph``
 never imports it (``tests/unit/test_wheel.py`` checks). The model writer is
 imported lazily, so using only the server helpers does not load ``gguf`` and
-``numpy``.
+``numpy``. :class:`Gateway` runs the ``smg`` gateway (the ``pool`` extra) in
+front of several servers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from fusion_graph_testing.gateway import (
+    DEFAULT_ROUTING_KEY_HEADER,
+    ROUTED_WORKER_HEADER,
+    Gateway,
+    GatewayError,
+    GatewayNotInstalled,
+    ensure_smg,
+    find_smg,
+    served_by,
+    smg_version,
+)
 from fusion_graph_testing.llama_server import (
     DEFAULT_LLAMA_CPP_PYTHON_VERSION,
     LlamaServer,
@@ -38,7 +50,12 @@ _LAZY = {"SUPPORTED_ARCHS", "read_tokenizer_metadata", "write_tiny_model"}
 
 __all__ = [
     "DEFAULT_LLAMA_CPP_PYTHON_VERSION",
+    "DEFAULT_ROUTING_KEY_HEADER",
+    "ROUTED_WORKER_HEADER",
     "SUPPORTED_ARCHS",
+    "Gateway",
+    "GatewayError",
+    "GatewayNotInstalled",
     "LlamaServer",
     "LlamaServerError",
     "LlamaServerNotBuilt",
@@ -46,9 +63,13 @@ __all__ = [
     "cache_dir",
     "chat_template",
     "ensure_llama_server",
+    "ensure_smg",
     "find_llama_server",
+    "find_smg",
     "free_port",
     "read_tokenizer_metadata",
+    "served_by",
+    "smg_version",
     "supports_flag",
     "vocab_dir",
     "vocab_path",

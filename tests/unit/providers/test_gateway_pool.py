@@ -14,7 +14,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.providers.llama_server import LocalPoolMismatch
-from fusion_graph.providers.slots import BoxSlots, SlotPool, routing_key
+from fusion_graph.providers.slots import BoxSlots, routing_key
 from fusion_graph.settings import ContextError
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
@@ -39,18 +39,25 @@ def test_the_routing_key_is_stable_per_thread_and_hides_the_thread_id() -> None:
     assert len({routing_key(f"t{i}") for i in range(1000)}) == 1000
 
 
-def test_box_slots_keep_threads_of_one_box_apart_and_reserve_the_reflection_slot() -> None:
-    slots = BoxSlots(5)  # 4 conversation slots per box, slot 4 reserved on every box
+def test_first_requests_take_a_slot_free_on_the_boxes_a_new_key_may_land_on() -> None:
+    """Wherever the gateway places a new key, its first request lands on no held slot while any is free."""
+    slots = BoxSlots(5, boxes=("http://box-a:8080", "http://box-b:8080/v1"))  # 4 conversation slots each
     threads = [f"thread-{i}" for i in range(8)]
-    assert [slots.slot_for(t) for t in threads] == [SlotPool(5).preferred_slot(t) for t in threads]
+    first = []
     for index, thread in enumerate(threads):
-        assert slots.served(thread, "box-a" if index % 2 == 0 else "box-b") is None
-    for box in ("box-a", "box-b"):
+        first.append(slots.slot_for(thread))
+        assert slots.served(thread, "http://box-a:8080" if index % 2 == 0 else "http://box-b:8080") is None
+    assert first[:4] == [0, 1, 2, 3]  # while a slot is free on every box, no first request shares one
+    for box in ("http://box-a:8080", "http://box-b:8080"):
         on_box = [t for t in threads if slots.box_of(t) == box]
         held = [slots.slot_for(t) for t in on_box]
-        assert len(set(held)) == len(on_box) == 4, held  # no two threads of a box share a slot
-        assert slots.reflection_slot not in held
+        assert sorted(held) == [0, 1, 2, 3]  # no two threads of a box share a slot
     assert slots.reflection_slot == 4
+
+
+def test_concurrent_first_requests_do_not_share_a_slot() -> None:
+    slots = BoxSlots(5, boxes=("http://a", "http://b"))
+    assert [slots.slot_for(f"t{i}") for i in range(4)] == [0, 1, 2, 3]
 
 
 def test_a_thread_the_gateway_moves_frees_its_slot_on_the_old_box() -> None:

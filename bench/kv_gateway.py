@@ -1,0 +1,638 @@
+"""``--gateway``: KV-cache reuse over a pool of llama-server boxes behind a real ``smg`` gateway.
+
+The SWE-agent trajectories are replayed as ``--threads`` concurrent threads
+(cycling over the trajectories; a repeat gets a marker at the start of its
+first user message, so it shares only the system prompt with the original)
+through the graph's own routing, exactly as the one-box benchmark does. Local
+steps go to a real ``smg launch`` in front of ``BOXES`` fresh llama-servers,
+one fresh pool per variant and thread count:
+
+* ``manual_min_group``: ``--policy manual --assignment-mode min_group
+  --routing-key-headers x-fusion-thread``; each request carries
+  ``x-fusion-thread: routing_key(thread)``, ``id_slot`` from ``BoxSlots`` (the
+  thread's slot on the box the gateway last named) and ``cache_prompt: true``:
+  what the graph sends;
+* ``cache_aware``: ``--policy cache_aware``, ``cache_prompt: true`` only (the
+  gateway picks a box by prefix, llama-server a slot by similarity);
+* ``round_robin``: ``--policy round_robin``, ``cache_prompt: true`` only.
+
+The physical minimum is the one-box benchmark's: per thread, the tokens new
+since its previous local request, tokenized by a llama-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import importlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+
+from bench.kv_plan import ThreadPlan, plan_thread, route_trajectory
+from bench.kv_report import TIMING_NOTE
+from bench.kv_results import StepRecord, summarize
+from bench.kv_server import (
+    MAX_TOKENS,
+    MODEL_N_CTX,
+    TEMPLATE,
+    ServerSetup,
+    per_slot_ctx,
+    prepare_server,
+    tokenize_requests,
+)
+from bench.kv_server import server_version as llama_server_version
+from bench.traces import Trajectory, explained, load_traces, select_quick, trace_files
+from fusion_graph.context import DEFAULTS
+from fusion_graph.providers.slots import SlotPool
+
+if TYPE_CHECKING:
+    from fusion_graph_testing import Gateway, LlamaServer
+
+#: llama-server boxes behind the gateway.
+BOXES = 2
+#: ``-np`` of each box. ``BoxSlots`` keeps the last slot for memory jobs, so 5 conversation slots each.
+BOX_SLOTS = 6
+#: The served model id (``--alias``) every request names.
+MODEL_ALIAS = "local"
+#: The request header carrying the routing key.
+ROUTING_HEADER = "x-fusion-thread"
+#: Threads replayed at once unless ``--threads`` says otherwise.
+DEFAULT_THREADS = (8,)
+#: ``manual_min_group`` processes at most this many times the minimum.
+TARGET_MANUAL_OVER_MINIMUM = 1.05
+
+
+# -- the box-aware slots (fusion_graph.providers.slots, or a stand-in until it lands) ----------
+
+
+class BoxSlotsLike(Protocol):
+    """What the replay needs of ``fusion_graph.providers.slots.BoxSlots``."""
+
+    def slot_for(self, thread_id: str) -> int:
+        """The thread's slot on its box (its hash-preferred slot before the box is known)."""
+        ...
+
+    def served(self, thread_id: str, box: str) -> object:
+        """Learn (or move) the thread's box from the gateway's ``x-smg-routed-worker-id``."""
+        ...
+
+
+def _routing_key(thread_id: str) -> str:
+    """Stand-in for ``fusion_graph.providers.slots.routing_key``: a stable hash of the thread id."""
+    return hashlib.sha256(thread_id.encode("utf-8")).hexdigest()[:32]
+
+
+class _BoxSlots:
+    """Stand-in for ``fusion_graph.providers.slots.BoxSlots``: one ``SlotPool`` per box.
+
+    Before a thread's box is known its slot is the hash-preferred one; once the
+    gateway names the box, the thread takes a slot in that box's pool (the
+    preferred one when no live thread there holds it), and a move to another
+    box gives the old slot back.
+    """
+
+    def __init__(
+        self, per_box_slots: int, *, boxes: Sequence[str] = (), reserve_reflection: bool = True
+    ) -> None:
+        self.per_box_slots = per_box_slots
+        self.reserve_reflection = reserve_reflection
+        self._hash = SlotPool(per_box_slots, reserve_reflection=reserve_reflection)
+        self._pools: dict[str, SlotPool] = {}
+        self._box: dict[str, str] = {}
+        for box in boxes:
+            self._pool(box)
+
+    def _pool(self, box: str) -> SlotPool:
+        if box not in self._pools:
+            self._pools[box] = SlotPool(self.per_box_slots, reserve_reflection=self.reserve_reflection)
+        return self._pools[box]
+
+    def slot_for(self, thread_id: str) -> int:
+        box = self._box.get(thread_id)
+        if box is None:
+            return self._hash.preferred_slot(thread_id)
+        return self._pool(box).slot_for(thread_id)
+
+    def served(self, thread_id: str, box: str) -> None:
+        previous = self._box.get(thread_id)
+        if previous == box:
+            return
+        if previous is not None:
+            self._pool(previous).release(thread_id)
+        self._box[thread_id] = box
+        self._pool(box).slot_for(thread_id)
+
+
+@dataclass(frozen=True)
+class SlotsApi:
+    """``routing_key`` and ``BoxSlots``, and where they came from."""
+
+    routing_key: Callable[[str], str]
+    box_slots: Callable[..., BoxSlotsLike]  # (per_box_slots, *, boxes=worker URLs)
+    source: str
+
+
+def slots_api() -> SlotsApi:
+    """``fusion_graph.providers.slots.routing_key``/``BoxSlots`` when present, else the stand-ins here."""
+    module = importlib.import_module("fusion_graph.providers.slots")
+    routing_key = getattr(module, "routing_key", None)
+    box_slots = getattr(module, "BoxSlots", None)
+    if callable(routing_key) and callable(box_slots):
+        return SlotsApi(routing_key, box_slots, "fusion_graph.providers.slots")
+    return SlotsApi(
+        _routing_key,
+        _BoxSlots,
+        "bench.kv_gateway stand-in (fusion_graph.providers.slots has no routing_key/BoxSlots yet)",
+    )
+
+
+# -- variants -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatewayVariant:
+    """A gateway policy and what a local request carries under it."""
+
+    name: str
+    policy: str
+    keyed: bool
+    description: str
+
+    def gateway_flags(self) -> list[str]:
+        """The policy flags of ``smg launch`` (the harness adds host, ports and health checks)."""
+        flags = ["--policy", self.policy]
+        if self.keyed:
+            flags += ["--assignment-mode", "min_group", "--routing-key-headers", ROUTING_HEADER]
+        return flags
+
+    def request(
+        self, slots: BoxSlotsLike | None, api: SlotsApi, thread_id: str
+    ) -> tuple[dict[str, str], dict[str, Any]]:
+        """Headers and extra body fields of a local step of ``thread_id``."""
+        if not self.keyed:
+            return {}, {"cache_prompt": True}
+        assert slots is not None
+        return {ROUTING_HEADER: api.routing_key(thread_id)}, {
+            "id_slot": slots.slot_for(thread_id),
+            "cache_prompt": True,
+        }
+
+
+GATEWAY_VARIANTS: tuple[GatewayVariant, ...] = (
+    GatewayVariant(
+        "manual_min_group",
+        "manual",
+        True,
+        "manual + min_group; x-fusion-thread, id_slot from BoxSlots, cache_prompt (what the graph sends)",
+    ),
+    GatewayVariant("cache_aware", "cache_aware", False, "cache_aware; cache_prompt, no header, no id_slot"),
+    GatewayVariant("round_robin", "round_robin", False, "round_robin; cache_prompt, no header, no id_slot"),
+)
+GATEWAY_DEFAULT_VARIANTS = tuple(v.name for v in GATEWAY_VARIANTS)
+
+
+def choose_variants(text: str) -> list[GatewayVariant]:
+    """``--variants`` for ``--gateway``: comma-separated names, in the given order."""
+    by_name = {v.name: v for v in GATEWAY_VARIANTS}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        raise SystemExit(
+            f"--variants with --gateway: {', '.join(unknown) or repr(text)} is not one of {sorted(by_name)}"
+        )
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+# -- threads ----------------------------------------------------------------------------
+
+
+def mark_copy(messages: Sequence[Mapping[str, Any]], copy: int) -> tuple[dict[str, Any], ...]:
+    """The messages with ``[copy N]`` at the start of the first user message (copy 0: unchanged)."""
+    marked = [dict(m) for m in messages]
+    if copy == 0:
+        return tuple(marked)
+    tag = f"[copy {copy}] "
+    for message in marked:
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            message["content"] = tag + content
+        elif isinstance(content, list):
+            message["content"] = [{"type": "text", "text": tag}, *content]
+        else:
+            message["content"] = tag
+        break
+    return tuple(marked)
+
+
+def gateway_threads(trajectories: Sequence[Trajectory], count: int) -> list[Trajectory]:
+    """``count`` threads cycling over ``trajectories``; each repeat is a distinct conversation."""
+    if not trajectories:
+        raise ValueError("no trajectories to replay")
+    threads = []
+    for index in range(count):
+        base = trajectories[index % len(trajectories)]
+        copy = index // len(trajectories)
+        if copy == 0:
+            threads.append(base)
+        else:
+            trace_id = f"{base.trace_id}#copy{copy}"
+            threads.append(Trajectory(base.file, base.line, trace_id, mark_copy(base.messages, copy)))
+    return threads
+
+
+# -- the replay --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatewayStep:
+    """One step's cost, the thread it belongs to and the box that served it (None: cloud)."""
+
+    record: StepRecord
+    thread: str
+    box: int | None
+
+
+@dataclass
+class GatewayReplay:
+    """State shared by the threads of one variant run."""
+
+    client: httpx.AsyncClient
+    variant: GatewayVariant
+    api: SlotsApi
+    slots: BoxSlotsLike | None
+    box_index: Callable[[str | None], int | None]
+    steps: list[GatewayStep] = field(default_factory=list)
+
+
+async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None:
+    """Send one thread's steps in order through the gateway; cloud steps only count."""
+    from fusion_graph_testing import served_by
+
+    trajectory = plan.trajectory
+    thread = trajectory.thread_id
+    for step in plan.steps:
+        base = StepRecord(trajectory.file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
+        if step.leg == "cloud":
+            replay.steps.append(GatewayStep(base, thread, None))
+            continue
+        headers, fields = replay.variant.request(replay.slots, replay.api, thread)
+        body = {
+            "model": MODEL_ALIAS,
+            "messages": list(trajectory.messages[: step.position]),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            **fields,
+        }
+        response = await replay.client.post("/v1/chat/completions", json=body, headers=headers)
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"{replay.variant.name} {thread} step {step.position}: HTTP {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        worker = served_by(response.headers)
+        box = replay.box_index(worker)
+        if box is None:
+            raise RuntimeError(f"{replay.variant.name}: the gateway named no known box ({worker!r})")
+        if replay.slots is not None and worker is not None:
+            replay.slots.served(thread, worker)
+        timings = response.json()["timings"]
+        record = StepRecord(
+            trajectory.file,
+            "local",
+            step.n_tokens,
+            step.minimum,
+            step.estimate_tokens,
+            prompt_n=int(timings["prompt_n"]),
+            cache_n=int(timings["cache_n"]),
+            prompt_ms=float(timings["prompt_ms"]),
+        )
+        replay.steps.append(GatewayStep(record, thread, box))
+
+
+async def run_gateway_variant(
+    base_url: str,
+    variant: GatewayVariant,
+    plans: Sequence[ThreadPlan],
+    *,
+    api: SlotsApi,
+    boxes: Sequence[str],
+    box_index: Callable[[str | None], int | None],
+) -> list[GatewayStep]:
+    """Replay every thread at once through the gateway, each thread's steps in order."""
+    slots = api.box_slots(BOX_SLOTS, boxes=tuple(boxes)) if variant.keyed else None
+    limits = httpx.Limits(max_connections=len(plans) + 2)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        replay = GatewayReplay(client, variant, api, slots, box_index)
+        await asyncio.gather(*(replay_gateway_thread(replay, plan) for plan in plans))
+    return replay.steps
+
+
+# -- results ------------------------------------------------------------------------------
+
+
+def box_summary(steps: Sequence[GatewayStep], boxes: int) -> dict[str, Any]:
+    """Per box: threads served, requests, tokens; and how often a thread changed box."""
+    per_box: list[dict[str, Any]] = [
+        {"threads": 0, "requests": 0, "processed_tokens": 0, "cached_tokens": 0} for _ in range(boxes)
+    ]
+    threads_of: list[set[str]] = [set() for _ in range(boxes)]
+    last_box: dict[str, int] = {}
+    moves = 0
+    for step in steps:
+        if step.box is None:
+            continue
+        entry = per_box[step.box]
+        entry["requests"] += 1
+        entry["processed_tokens"] += step.record.prompt_n
+        entry["cached_tokens"] += step.record.cache_n
+        threads_of[step.box].add(step.thread)
+        if step.thread in last_box and last_box[step.thread] != step.box:
+            moves += 1
+        last_box[step.thread] = step.box
+    for entry, threads in zip(per_box, threads_of, strict=True):
+        entry["threads"] = len(threads)
+    on_several = sum(1 for t in last_box if sum(t in s for s in threads_of) > 1)
+    return {
+        "boxes": per_box,
+        "threads_per_box": [entry["threads"] for entry in per_box],
+        "box_moves": moves,
+        "threads_on_several_boxes": on_several,
+    }
+
+
+def summarize_gateway(steps: Sequence[GatewayStep], boxes: int) -> dict[str, Any]:
+    """The one-box leaf (``kv_results.summarize``) plus ``processed_over_minimum`` and the boxes."""
+    leaf = summarize(s.record for s in steps)
+    processed, minimum = leaf["processed_tokens"], leaf["minimum_tokens"]
+    leaf["processed_over_minimum"] = round(processed / minimum, 4) if minimum else None
+    leaf.update(box_summary(steps, boxes))
+    return leaf
+
+
+@dataclass(frozen=True)
+class GatewayTarget:
+    """The ``manual_min_group`` target at one thread count."""
+
+    threads: str
+    holds: bool | None
+    detail: str
+
+
+def evaluate_gateway_targets(variants: Mapping[str, Mapping[str, Any]]) -> list[GatewayTarget]:
+    """``manual_min_group`` processes at most ``TARGET_MANUAL_OVER_MINIMUM`` × the minimum."""
+    results = []
+    for threads, leaf in variants.get("manual_min_group", {}).get("threads", {}).items():
+        ratio = leaf.get("processed_over_minimum")
+        if ratio is None:
+            results.append(GatewayTarget(threads, None, "nothing processed"))
+            continue
+        results.append(
+            GatewayTarget(
+                threads,
+                ratio <= TARGET_MANUAL_OVER_MINIMUM,
+                f"processed {leaf['processed_tokens']} = {ratio:.3f} × minimum {leaf['minimum_tokens']} "
+                f"(target <= {TARGET_MANUAL_OVER_MINIMUM:.2f})",
+            )
+        )
+    return results
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 10 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+GATEWAY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("local", "local_steps"),
+    ("cloud", "cloud_steps"),
+    ("processed", "processed_tokens"),
+    ("reused", "cached_tokens"),
+    ("minimum", "minimum_tokens"),
+    ("proc/min", "processed_over_minimum"),
+    ("threads per box", "threads_per_box"),
+    ("moves", "box_moves"),
+    ("prefill ms", "prefill_ms"),
+    ("wall s", "wall_s"),
+)
+
+
+def format_gateway_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
+    """Plain-text table, one row per variant and thread count."""
+    header = ["variant", "thr", *(name for name, _ in GATEWAY_COLUMNS)]
+    rows = []
+    for name, variant in variants.items():
+        for threads, leaf in variant["threads"].items():
+            cells = []
+            for _, key in GATEWAY_COLUMNS:
+                value = leaf.get(key)
+                cells.append(" / ".join(map(str, value)) if isinstance(value, list) else _fmt(value))
+            rows.append([name, threads, *cells])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    left = 2
+
+    def line(cells: Sequence[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in pairs)
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def format_gateway_targets(targets: Sequence[GatewayTarget]) -> str:
+    """One line per thread count."""
+    words = {True: "HOLDS", False: "FAILS", None: "n/a"}
+    label = f"manual_min_group <= {TARGET_MANUAL_OVER_MINIMUM:.2f} × minimum"
+    return "\n".join(f"  {label} threads={t.threads}: {words[t.holds]:<5}  {t.detail}" for t in targets)
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _box(setup: ServerSetup, ctx_size: int, name: str) -> LlamaServer:
+    from fusion_graph_testing import LlamaServer
+
+    return LlamaServer(
+        setup.model,
+        n_slots=BOX_SLOTS,
+        ctx_size=ctx_size,
+        jinja=True,
+        extra_args=["--chat-template-file", str(setup.template), "--alias", MODEL_ALIAS],
+        log_path=setup.logs / f"{name}.log",
+    )
+
+
+def _gateway(variant: GatewayVariant, worker_urls: Sequence[str], log: Path) -> Gateway:
+    from fusion_graph_testing import Gateway
+
+    return Gateway(
+        worker_urls,
+        policy=variant.policy,
+        routing_key_header=ROUTING_HEADER if variant.keyed else None,
+        assignment_mode="min_group" if variant.keyed else None,
+        log_path=log,
+    )
+
+
+def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
+    """Tokenize, plan and replay every gateway variant at every thread count; return the results."""
+    from fusion_graph_testing import ensure_smg, smg_version
+
+    started = time.perf_counter()
+    chosen = choose_variants(args.variants)
+    smg = ensure_smg()  # before the slow part: a missing gateway stops the run at once
+    api = slots_api()
+    trajectories = load_traces(args.traces)
+    if args.quick:
+        trajectories = select_quick(trajectories)
+    swe = [t for t in trajectories if t.is_swe]
+    if not swe:
+        raise SystemExit("--gateway replays the SWE-agent traces (files named swe*); none found in --traces")
+    hysteresis = DEFAULTS["hysteresis"]
+    threads_by_level = {level: gateway_threads(swe, level) for level in args.threads}
+    distinct = {t.thread_id: t for threads in threads_by_level.values() for t in threads}
+    routed = {
+        tid: route_trajectory(t.messages, hysteresis=hysteresis, cloud_share=args.cloud_share)
+        for tid, t in distinct.items()
+    }
+    requests = [(tid, r.position) for tid, steps in routed.items() for r in steps]
+    _progress(f"{len(swe)} SWE-agent trajectories, {len(distinct)} threads, {len(requests)} steps")
+
+    results: dict[str, Any] = {}
+    commands: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="kv-gateway-") as tmp:
+        setup = prepare_server(Path(tmp))
+        tokenizer = setup.server(n_slots=1, ctx_size=4096, name="tokenize")
+        with tokenizer:
+            version = llama_server_version(tokenizer.binary)
+            tokens_flat = asyncio.run(
+                tokenize_requests(
+                    tokenizer.base_url, [distinct[tid].messages[:position] for tid, position in requests]
+                )
+            )
+        tokens = dict(zip(requests, tokens_flat, strict=True))
+        longest = max((len(tok) for tok in tokens_flat), default=1)
+        slot_ctx = per_slot_ctx(longest)
+        plans = {
+            tid: plan_thread(distinct[tid], steps, [tokens[(tid, r.position)] for r in steps])
+            for tid, steps in routed.items()
+        }
+        _progress(f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {longest} tokens")
+
+        for variant in chosen:
+            entry: dict[str, Any] = {
+                "description": variant.description,
+                "gateway_flags": variant.gateway_flags(),
+                "threads": {},
+            }
+            for level, threads in threads_by_level.items():
+                name = f"{variant.name}-t{level}"
+                with ExitStack() as stack:  # fresh boxes and gateway per run; all stopped, also on failure
+                    boxes = [
+                        stack.enter_context(_box(setup, slot_ctx * BOX_SLOTS, f"{name}-box{i}"))
+                        for i in range(BOXES)
+                    ]
+                    gateway = _gateway(variant, [b.base_url for b in boxes], setup.logs / f"{name}-smg.log")
+                    stack.enter_context(gateway)
+                    commands[variant.name] = gateway.args()[1:]
+                    t0 = time.perf_counter()
+                    steps = asyncio.run(
+                        run_gateway_variant(
+                            gateway.base_url,
+                            variant,
+                            [plans[t.thread_id] for t in threads],
+                            api=api,
+                            boxes=gateway.worker_urls,
+                            box_index=gateway.worker_index,
+                        )
+                    )
+                    wall = time.perf_counter() - t0
+                leaf = summarize_gateway(steps, BOXES)
+                leaf["wall_s"] = round(wall, 2)
+                entry["threads"][str(level)] = leaf
+                _progress(
+                    f"{name}: processed {leaf['processed_tokens']:,} minimum {leaf['minimum_tokens']:,} "
+                    f"threads per box {leaf['threads_per_box']} in {wall:.1f} s"
+                )
+            results[variant.name] = entry
+
+    meta = {
+        "mode": "gateway",
+        "traces": [str(p) for p in trace_files(args.traces)],
+        "quick": args.quick,
+        "trajectories": len(swe),
+        "threads": list(args.threads),
+        "thread_copies": "thread i replays SWE trajectory i mod n; copy k >= 1 has '[copy k] ' "
+        "prepended to its first user message (it shares the system prompt only)",
+        "steps": len(requests),
+        "cloud_share": args.cloud_share,
+        "hysteresis": hysteresis,
+        "boxes": BOXES,
+        "box_slots": BOX_SLOTS,
+        "ctx_per_slot": slot_ctx,
+        "ctx_size_per_box": slot_ctx * BOX_SLOTS,
+        "longest_prompt_tokens": longest,
+        "max_tokens": MAX_TOKENS,
+        "box_slots_impl": api.source,
+        "smg": smg_version(smg),
+        "smg_commands": commands,
+        "llama_server_version": version,
+        "model": f"tiny random-weight qwen2 (harness write_tiny_model, qwen2 vocab), n_ctx {MODEL_N_CTX}",
+        "chat_template": TEMPLATE,
+        "cache_reset": "fresh llama-server boxes and a fresh gateway per variant and thread count",
+        "timing_note": TIMING_NOTE,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    return {"variants": results, "meta": meta}
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``--gateway``, print the table and the target, write ``--out``."""
+    result = explained(lambda: run_gateway(args), args.traces)
+    if result is None:
+        return 2
+    targets = evaluate_gateway_targets(result["variants"])
+    result["targets"] = [{"threads": t.threads, "holds": t.holds, "detail": t.detail} for t in targets]
+    meta = result["meta"]
+    print(
+        f"KV reuse through a gateway: {meta['trajectories']} SWE-agent trajectories as "
+        f"{','.join(map(str, meta['threads']))} threads, {meta['boxes']} boxes × -np {meta['box_slots']} "
+        f"-c {meta['ctx_size_per_box']} ({meta['llama_server_version']}), {meta['smg']}, "
+        f"cloud_share {meta['cloud_share']}"
+    )
+    print(format_gateway_table(result["variants"]))
+    print("Target:")
+    if meta["quick"]:
+        print("  (--quick replays a subset: indicative only)")
+    print(format_gateway_targets(targets))
+    print(f"Slots: {meta['box_slots_impl']}.")
+    print(f"Note: {TIMING_NOTE}")
+    print(f"Total wall time {meta['wall_s']} s.")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"JSON written to {args.out}")
+    return 0
