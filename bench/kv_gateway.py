@@ -70,6 +70,8 @@ MODEL_ALIAS = "local"
 ROUTING_HEADER = "x-fusion-thread"
 #: Threads replayed at once unless ``--threads`` says otherwise.
 DEFAULT_THREADS = (8,)
+#: Requests over their minimum listed in the results (``excess_detail``), at most.
+EXCESS_DETAIL = 20
 #: ``manual_min_group`` processes at most this many times the minimum.
 TARGET_MANUAL_OVER_MINIMUM = 1.05
 
@@ -259,10 +261,11 @@ def gateway_threads(trajectories: Sequence[Trajectory], count: int) -> list[Traj
 
 @dataclass(frozen=True)
 class GatewayStep:
-    """One step's cost, the thread it belongs to and the box that served it (None: cloud)."""
+    """One step's cost, its thread and message position, and the box that served it (None: cloud)."""
 
     record: StepRecord
     thread: str
+    position: int
     box: int | None
 
 
@@ -287,7 +290,7 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
     for step in plan.steps:
         base = StepRecord(trajectory.file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
         if step.leg == "cloud":
-            replay.steps.append(GatewayStep(base, thread, None))
+            replay.steps.append(GatewayStep(base, thread, step.position, None))
             continue
         headers, fields = replay.variant.request(replay.slots, replay.api, thread)
         body = {
@@ -320,7 +323,7 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
             cache_n=int(timings["cache_n"]),
             prompt_ms=float(timings["prompt_ms"]),
         )
-        replay.steps.append(GatewayStep(record, thread, box))
+        replay.steps.append(GatewayStep(record, thread, step.position, box))
 
 
 async def run_gateway_variant(
@@ -366,11 +369,24 @@ def box_summary(steps: Sequence[GatewayStep], boxes: int) -> dict[str, Any]:
     for entry, threads in zip(per_box, threads_of, strict=True):
         entry["threads"] = len(threads)
     on_several = sum(1 for t in last_box if sum(t in s for s in threads_of) > 1)
+    excess = [
+        {
+            "thread": s.thread,
+            "position": s.position,
+            "box": s.box,
+            "prompt_n": s.record.prompt_n,
+            "cache_n": s.record.cache_n,
+            "minimum": s.record.minimum,
+        }
+        for s in steps
+        if s.box is not None and s.record.prompt_n > s.record.minimum
+    ]
     return {
         "boxes": per_box,
         "threads_per_box": [entry["threads"] for entry in per_box],
         "box_moves": moves,
         "threads_on_several_boxes": on_several,
+        "excess_detail": excess[:EXCESS_DETAIL],
     }
 
 
@@ -411,10 +427,14 @@ def evaluate_gateway_targets(variants: Mapping[str, Mapping[str, Any]]) -> list[
     return results
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, key: str = "") -> str:
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return " / ".join(_fmt(v) for v in value)
     if isinstance(value, float):
+        if key == "wall_s":
+            return f"{value:,.1f}"
         return f"{value:.3f}" if value < 10 else f"{value:,.0f}"
     if isinstance(value, int):
         return f"{value:,}"
@@ -441,11 +461,7 @@ def format_gateway_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
     rows = []
     for name, variant in variants.items():
         for threads, leaf in variant["threads"].items():
-            cells = []
-            for _, key in GATEWAY_COLUMNS:
-                value = leaf.get(key)
-                cells.append(" / ".join(map(str, value)) if isinstance(value, list) else _fmt(value))
-            rows.append([name, threads, *cells])
+            rows.append([name, threads, *(_fmt(leaf.get(key), key) for _, key in GATEWAY_COLUMNS)])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     left = 2
 

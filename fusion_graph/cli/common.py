@@ -22,8 +22,6 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fusion_graph.state import SIDE_KINDS
-
 if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
     from fusion_graph.replay.traces import RecordedTrajectory, StepPrices
@@ -196,7 +194,7 @@ class CloudShare:
     @classmethod
     def of(cls, records: Sequence[RouteRecord]) -> CloudShare:
         """The share of ``records`` (``route_log`` entries), by the leg the router chose."""
-        steps = [r for r in records if r["kind"] not in SIDE_KINDS]
+        steps = [r for r in records if r["kind"] not in ("memory", "synthesis", "sampling")]
         continuation = [r for r in steps if r["kind"] == "step"]
         plans = [r for r in steps if r["kind"] == "plan"]
         return cls(

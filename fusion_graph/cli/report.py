@@ -26,7 +26,6 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.run import DEFAULT_DB
-from fusion_graph.state import SIDE_KINDS
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -184,7 +183,7 @@ def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) ->
 
     totals = chain_totals(records)
     share = CloudShare.of(records)
-    legs = [r["routed_leg"] for r in records if r["kind"] not in SIDE_KINDS]
+    legs = [r["routed_leg"] for r in records if r["kind"] not in ("memory", "synthesis", "sampling")]
     all_cloud = all_cloud_cost(records, cloud)
     saved, fraction = savings(totals.total.cost_usd, all_cloud)
     return {

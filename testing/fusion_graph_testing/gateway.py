@@ -273,8 +273,7 @@ class Gateway:
                 return self
             except GatewayError:
                 self.stop()
-                tail = self.log_tail(30).lower()
-                lost_race = "address already in use" in tail or "bind" in tail
+                lost_race = "address already in use" in self.log_tail(30).lower()
                 if attempt + 1 < attempts and lost_race:
                     continue
                 raise

@@ -27,7 +27,15 @@ from typing import Any
 import httpx
 import pytest
 
-from fusion_graph_testing import Gateway, GatewayNotInstalled, ensure_smg, find_smg, served_by
+from fusion_graph_testing import (
+    Gateway,
+    GatewayError,
+    GatewayNotInstalled,
+    ensure_smg,
+    find_smg,
+    free_port,
+    served_by,
+)
 from tests.plugins.pool import POOL_MODEL, LlamaPool
 
 # -- discovery (no gateway needed) --------------------------------------------
@@ -97,6 +105,16 @@ def test_command_line_keeps_the_metrics_listener_on_loopback(tmp_path: Path) -> 
     assert served_by(httpx.Headers({"X-SMG-Routed-Worker-Id": "http://127.0.0.1:2"})) == "http://127.0.0.1:2"
     assert served_by({"x-smg-routed-worker-id": "http://127.0.0.1:1"}) == "http://127.0.0.1:1"
     assert served_by({}) is None
+
+
+def test_a_gateway_whose_worker_never_answers_fails_and_is_stopped(smg_bin: Path, tmp_path: Path) -> None:
+    gateway = Gateway(
+        [f"http://127.0.0.1:{free_port()}"], binary=smg_bin, startup_timeout=3, log_path=tmp_path / "smg.log"
+    )
+    with pytest.raises(GatewayError, match="every worker registered and healthy"):
+        gateway.start()
+    assert not gateway.running and gateway.pid is None
+    assert "--worker-urls" in gateway.log_path.read_text(encoding="utf-8")  # the log is kept
 
 
 # -- a live pool -----------------------------------------------------------------
