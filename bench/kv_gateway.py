@@ -17,15 +17,15 @@ one fresh pool per variant and thread count:
 * ``round_robin``: ``--policy round_robin``, ``cache_prompt: true`` only.
 
 The physical minimum is the one-box benchmark's: per thread, the tokens new
-since its previous local request, tokenized by a llama-server.
+since its previous local request, tokenized by a llama-server. Each box runs
+``--box-slots`` slots (default ``BOX_SLOTS``). Run ``python -m bench.kv_reuse
+--gateway --help``; see bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import importlib
 import json
 import os
 import platform
@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -55,108 +55,47 @@ from bench.kv_server import (
 from bench.kv_server import server_version as llama_server_version
 from bench.traces import Trajectory, explained, load_traces, select_quick, trace_files
 from fusion_graph.context import DEFAULTS
-from fusion_graph.providers.slots import SlotPool
+from fusion_graph.providers.slots import BoxSlots, routing_key
 
 if TYPE_CHECKING:
     from fusion_graph_testing import Gateway, LlamaServer
 
 #: llama-server boxes behind the gateway.
 BOXES = 2
-#: ``-np`` of each box. ``BoxSlots`` keeps the last slot for memory jobs, so 5 conversation slots each.
-BOX_SLOTS = 6
+#: ``-np`` of each box unless ``--box-slots`` says otherwise. ``BoxSlots`` keeps the last slot for
+#: memory jobs, so 8 conversation slots each: the first requests of 8 threads that start at once
+#: get 8 distinct slots, whichever box the gateway puts them on. With fewer, two first requests can
+#: share a slot on one box (see bench/README.md).
+BOX_SLOTS = 9
 #: The served model id (``--alias``) every request names.
 MODEL_ALIAS = "local"
 #: The request header carrying the routing key.
 ROUTING_HEADER = "x-fusion-thread"
 #: Threads replayed at once unless ``--threads`` says otherwise.
 DEFAULT_THREADS = (8,)
+#: Seconds one local request may take (the longest prefill here takes seconds) before the run fails.
+REQUEST_TIMEOUT_S = 300.0
 #: Requests over their minimum listed in the results (``excess_detail``), at most.
 EXCESS_DETAIL = 20
 #: ``manual_min_group`` processes at most this many times the minimum.
 TARGET_MANUAL_OVER_MINIMUM = 1.05
 
 
-# -- the box-aware slots (fusion_graph.providers.slots, or a stand-in until it lands) ----------
-
-
-class BoxSlotsLike(Protocol):
-    """What the replay needs of ``fusion_graph.providers.slots.BoxSlots``."""
-
-    def slot_for(self, thread_id: str) -> int:
-        """The thread's slot on its box (its hash-preferred slot before the box is known)."""
-        ...
-
-    def served(self, thread_id: str, box: str) -> object:
-        """Learn (or move) the thread's box from the gateway's ``x-smg-routed-worker-id``."""
-        ...
-
-
-def _routing_key(thread_id: str) -> str:
-    """Stand-in for ``fusion_graph.providers.slots.routing_key``: a stable hash of the thread id."""
-    return hashlib.sha256(thread_id.encode("utf-8")).hexdigest()[:32]
-
-
-class _BoxSlots:
-    """Stand-in for ``fusion_graph.providers.slots.BoxSlots``: one ``SlotPool`` per box.
-
-    Before a thread's box is known its slot is the hash-preferred one; once the
-    gateway names the box, the thread takes a slot in that box's pool (the
-    preferred one when no live thread there holds it), and a move to another
-    box gives the old slot back.
-    """
-
-    def __init__(
-        self, per_box_slots: int, *, boxes: Sequence[str] = (), reserve_reflection: bool = True
-    ) -> None:
-        self.per_box_slots = per_box_slots
-        self.reserve_reflection = reserve_reflection
-        self._hash = SlotPool(per_box_slots, reserve_reflection=reserve_reflection)
-        self._pools: dict[str, SlotPool] = {}
-        self._box: dict[str, str] = {}
-        for box in boxes:
-            self._pool(box)
-
-    def _pool(self, box: str) -> SlotPool:
-        if box not in self._pools:
-            self._pools[box] = SlotPool(self.per_box_slots, reserve_reflection=self.reserve_reflection)
-        return self._pools[box]
-
-    def slot_for(self, thread_id: str) -> int:
-        box = self._box.get(thread_id)
-        if box is None:
-            return self._hash.preferred_slot(thread_id)
-        return self._pool(box).slot_for(thread_id)
-
-    def served(self, thread_id: str, box: str) -> None:
-        previous = self._box.get(thread_id)
-        if previous == box:
-            return
-        if previous is not None:
-            self._pool(previous).release(thread_id)
-        self._box[thread_id] = box
-        self._pool(box).slot_for(thread_id)
-
-
-@dataclass(frozen=True)
-class SlotsApi:
-    """``routing_key`` and ``BoxSlots``, and where they came from."""
-
-    routing_key: Callable[[str], str]
-    box_slots: Callable[..., BoxSlotsLike]  # (per_box_slots, *, boxes=worker URLs)
-    source: str
-
-
-def slots_api() -> SlotsApi:
-    """``fusion_graph.providers.slots.routing_key``/``BoxSlots`` when present, else the stand-ins here."""
-    module = importlib.import_module("fusion_graph.providers.slots")
-    routing_key = getattr(module, "routing_key", None)
-    box_slots = getattr(module, "BoxSlots", None)
-    if callable(routing_key) and callable(box_slots):
-        return SlotsApi(routing_key, box_slots, "fusion_graph.providers.slots")
-    return SlotsApi(
-        _routing_key,
-        _BoxSlots,
-        "bench.kv_gateway stand-in (fusion_graph.providers.slots has no routing_key/BoxSlots yet)",
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gateway`` and its own options, on ``bench.kv_reuse``'s parser."""
+    parser.add_argument(
+        "--gateway",
+        action="store_true",
+        help=f"replay the SWE-agent traces as --threads threads over {BOXES} llama-server boxes behind a "
+        "real smg gateway (variants manual_min_group, cache_aware, round_robin); see bench/kv_gateway.py",
+    )
+    parser.add_argument(
+        "--box-slots",
+        type=int,
+        default=BOX_SLOTS,
+        metavar="N",
+        help=f"with --gateway: -np of each box (default {BOX_SLOTS}; BoxSlots keeps the last slot "
+        "for memory jobs)",
     )
 
 
@@ -179,14 +118,12 @@ class GatewayVariant:
             flags += ["--assignment-mode", "min_group", "--routing-key-headers", ROUTING_HEADER]
         return flags
 
-    def request(
-        self, slots: BoxSlotsLike | None, api: SlotsApi, thread_id: str
-    ) -> tuple[dict[str, str], dict[str, Any]]:
+    def request(self, slots: BoxSlots | None, thread_id: str) -> tuple[dict[str, str], dict[str, Any]]:
         """Headers and extra body fields of a local step of ``thread_id``."""
         if not self.keyed:
             return {}, {"cache_prompt": True}
         assert slots is not None
-        return {ROUTING_HEADER: api.routing_key(thread_id)}, {
+        return {ROUTING_HEADER: routing_key(thread_id)}, {
             "id_slot": slots.slot_for(thread_id),
             "cache_prompt": True,
         }
@@ -275,8 +212,7 @@ class GatewayReplay:
 
     client: httpx.AsyncClient
     variant: GatewayVariant
-    api: SlotsApi
-    slots: BoxSlotsLike | None
+    slots: BoxSlots | None
     box_index: Callable[[str | None], int | None]
     steps: list[GatewayStep] = field(default_factory=list)
 
@@ -292,7 +228,7 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
         if step.leg == "cloud":
             replay.steps.append(GatewayStep(base, thread, step.position, None))
             continue
-        headers, fields = replay.variant.request(replay.slots, replay.api, thread)
+        headers, fields = replay.variant.request(replay.slots, thread)
         body = {
             "model": MODEL_ALIAS,
             "messages": list(trajectory.messages[: step.position]),
@@ -300,7 +236,13 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
             "temperature": 0,
             **fields,
         }
-        response = await replay.client.post("/v1/chat/completions", json=body, headers=headers)
+        try:
+            response = await replay.client.post("/v1/chat/completions", json=body, headers=headers)
+        except httpx.TimeoutException as error:
+            raise RuntimeError(
+                f"{replay.variant.name} {thread} step {step.position} ({fields}): no answer within "
+                f"{REQUEST_TIMEOUT_S:.0f} s ({type(error).__name__}); a stuck llama-server? box logs follow"
+            ) from error
         if response.status_code != 200:
             raise RuntimeError(
                 f"{replay.variant.name} {thread} step {step.position}: HTTP {response.status_code}: "
@@ -331,15 +273,16 @@ async def run_gateway_variant(
     variant: GatewayVariant,
     plans: Sequence[ThreadPlan],
     *,
-    api: SlotsApi,
     boxes: Sequence[str],
     box_index: Callable[[str | None], int | None],
+    box_slots: int = BOX_SLOTS,
 ) -> list[GatewayStep]:
     """Replay every thread at once through the gateway, each thread's steps in order."""
-    slots = api.box_slots(BOX_SLOTS, boxes=tuple(boxes)) if variant.keyed else None
+    slots = BoxSlots(box_slots, boxes=tuple(boxes)) if variant.keyed else None
     limits = httpx.Limits(max_connections=len(plans) + 2)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        replay = GatewayReplay(client, variant, api, slots, box_index)
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+        replay = GatewayReplay(client, variant, slots, box_index)
         await asyncio.gather(*(replay_gateway_thread(replay, plan) for plan in plans))
     return replay.steps
 
@@ -486,12 +429,12 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _box(setup: ServerSetup, ctx_size: int, name: str) -> LlamaServer:
+def _box(setup: ServerSetup, n_slots: int, ctx_size: int, name: str) -> LlamaServer:
     from fusion_graph_testing import LlamaServer
 
     return LlamaServer(
         setup.model,
-        n_slots=BOX_SLOTS,
+        n_slots=n_slots,
         ctx_size=ctx_size,
         jinja=True,
         extra_args=["--chat-template-file", str(setup.template), "--alias", MODEL_ALIAS],
@@ -517,8 +460,10 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     chosen = choose_variants(args.variants)
+    box_slots = int(args.box_slots)
+    if box_slots < 2:
+        raise SystemExit("--box-slots: at least 2 (BoxSlots keeps one slot per box for memory jobs)")
     smg = ensure_smg()  # before the slow part: a missing gateway stops the run at once
-    api = slots_api()
     trajectories = load_traces(args.traces)
     if args.quick:
         trajectories = select_quick(trajectories)
@@ -566,23 +511,27 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
                 name = f"{variant.name}-t{level}"
                 with ExitStack() as stack:  # fresh boxes and gateway per run; all stopped, also on failure
                     boxes = [
-                        stack.enter_context(_box(setup, slot_ctx * BOX_SLOTS, f"{name}-box{i}"))
+                        stack.enter_context(_box(setup, box_slots, slot_ctx * box_slots, f"{name}-box{i}"))
                         for i in range(BOXES)
                     ]
                     gateway = _gateway(variant, [b.base_url for b in boxes], setup.logs / f"{name}-smg.log")
                     stack.enter_context(gateway)
                     commands[variant.name] = gateway.args()[1:]
                     t0 = time.perf_counter()
-                    steps = asyncio.run(
-                        run_gateway_variant(
-                            gateway.base_url,
-                            variant,
-                            [plans[t.thread_id] for t in threads],
-                            api=api,
-                            boxes=gateway.worker_urls,
-                            box_index=gateway.worker_index,
+                    try:
+                        steps = asyncio.run(
+                            run_gateway_variant(
+                                gateway.base_url,
+                                variant,
+                                [plans[t.thread_id] for t in threads],
+                                boxes=gateway.worker_urls,
+                                box_index=gateway.worker_index,
+                                box_slots=box_slots,
+                            )
                         )
-                    )
+                    except RuntimeError as error:  # the logs go with the temporary directory
+                        tails = "\n".join(f"--- {b.log_path.name}:\n{b.log_tail(12)}" for b in boxes)
+                        raise RuntimeError(f"{error}\n{tails}") from error
                     wall = time.perf_counter() - t0
                 leaf = summarize_gateway(steps, BOXES)
                 leaf["wall_s"] = round(wall, 2)
@@ -605,12 +554,11 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
         "cloud_share": args.cloud_share,
         "hysteresis": hysteresis,
         "boxes": BOXES,
-        "box_slots": BOX_SLOTS,
+        "box_slots": box_slots,
         "ctx_per_slot": slot_ctx,
-        "ctx_size_per_box": slot_ctx * BOX_SLOTS,
+        "ctx_size_per_box": slot_ctx * box_slots,
         "longest_prompt_tokens": longest,
         "max_tokens": MAX_TOKENS,
-        "box_slots_impl": api.source,
         "smg": smg_version(smg),
         "smg_commands": commands,
         "llama_server_version": version,
@@ -644,7 +592,6 @@ def main(args: argparse.Namespace) -> int:
     if meta["quick"]:
         print("  (--quick replays a subset: indicative only)")
     print(format_gateway_targets(targets))
-    print(f"Slots: {meta['box_slots_impl']}.")
     print(f"Note: {TIMING_NOTE}")
     print(f"Total wall time {meta['wall_s']} s.")
     if args.out is not None:

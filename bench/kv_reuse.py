@@ -103,12 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         + ", ".join(GATEWAY_DEFAULT_VARIANTS)
         + " (default: all)",
     )
-    parser.add_argument(
-        "--gateway",
-        action="store_true",
-        help="replay the SWE-agent traces over 2 llama-server boxes behind a real smg gateway "
-        "(manual_min_group, cache_aware, round_robin); see bench/kv_gateway.py",
-    )
+    kv_gateway.add_arguments(parser)  # --gateway, --box-slots
     parser.add_argument(
         "--cloud-share",
         type=int,

@@ -177,7 +177,15 @@ class BoxSlots:
             if load[box] == fewest:
                 taken |= pool.held()
         free = [slot for slot in range(self.conversation_slots) if slot not in taken]
-        return free[0] if free else self._template.preferred_slot(thread_id)
+        if free:
+            return free[0]
+        # Every slot is held: not one another first request is about to fill (both would run cold).
+        pending = set(self._pending.values())
+        preferred = self._template.preferred_slot(thread_id)
+        n = self.conversation_slots
+        return next(
+            (slot for slot in ((preferred + k) % n for k in range(n)) if slot not in pending), preferred
+        )
 
     def slot_for(self, thread_id: str) -> int:
         """The thread's slot on its box (before its box is known, see ``_first_slot``)."""

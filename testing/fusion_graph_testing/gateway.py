@@ -18,7 +18,8 @@ What was measured with smg 1.13 and llama-server:
   (404): ask the workers themselves;
 * ``--assignment-mode min_group`` gives a new key the worker with the fewest
   routing keys *in flight* (ties at random): keys opened one after another,
-  each finished before the next starts, are spread at random;
+  each finished before the next starts, are spread at random, and a streamed
+  response stops counting once its headers are sent;
 * with fast health checks (:data:`HEALTH_ARGS`) a stopped worker is marked
   unhealthy within about two seconds and its keys move to a healthy worker; a
   request that hits the dead worker before that is retried by the gateway.

@@ -12,19 +12,18 @@ from bench.kv_gateway import (
     GATEWAY_VARIANTS,
     ROUTING_HEADER,
     GatewayStep,
-    _BoxSlots,
     choose_variants,
     evaluate_gateway_targets,
     format_gateway_table,
     format_gateway_targets,
     gateway_threads,
     mark_copy,
-    slots_api,
     summarize_gateway,
 )
 from bench.kv_results import StepRecord
 from bench.kv_reuse import parse_args
 from bench.traces import Trajectory
+from fusion_graph.providers.slots import BoxSlots, routing_key
 
 MESSAGES: tuple[dict[str, Any], ...] = (
     {"role": "system", "content": "You are an agent."},
@@ -39,13 +38,14 @@ def test_gateway_arguments_have_their_own_defaults() -> None:
     assert args.gateway
     assert args.threads == [8]
     assert args.variants == "manual_min_group,cache_aware,round_robin"
+    assert args.box_slots == BOX_SLOTS == 9
     assert GATEWAY_DEFAULT_VARIANTS == ("manual_min_group", "cache_aware", "round_robin")
     plain = parse_args([])
     assert not plain.gateway
     assert plain.threads == [1, 4]
     assert plain.variants == "fusion,hazard,no_hysteresis"
-    chosen = parse_args(["--gateway", "--threads", "4,8", "--variants", "round_robin", "--quick"])
-    assert (chosen.threads, chosen.variants, chosen.quick) == ([4, 8], "round_robin", True)
+    chosen = parse_args(["--gateway", "--threads", "4,8", "--variants", "round_robin", "--box-slots", "6"])
+    assert (chosen.threads, chosen.variants, chosen.box_slots) == ([4, 8], "round_robin", 6)
 
 
 def test_choose_variants_keeps_order_and_rejects_unknown_names() -> None:
@@ -60,7 +60,6 @@ def test_choose_variants_keeps_order_and_rejects_unknown_names() -> None:
 
 
 def test_only_the_manual_variant_sends_a_routing_key_and_a_slot() -> None:
-    api = slots_api()
     by_name = {v.name: v for v in GATEWAY_VARIANTS}
     manual = by_name["manual_min_group"]
     assert manual.gateway_flags() == [
@@ -71,32 +70,18 @@ def test_only_the_manual_variant_sends_a_routing_key_and_a_slot() -> None:
         "--routing-key-headers",
         ROUTING_HEADER,
     ]
-    slots = api.box_slots(BOX_SLOTS, boxes=("http://127.0.0.1:1", "http://127.0.0.1:2"))
-    headers, fields = manual.request(slots, api, "thread-a")
-    assert headers == {ROUTING_HEADER: api.routing_key("thread-a")}
-    assert api.routing_key("thread-a") == api.routing_key("thread-a") != api.routing_key("thread-b")
+    slots = BoxSlots(BOX_SLOTS, boxes=("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    headers, fields = manual.request(slots, "thread-a")
+    assert headers == {ROUTING_HEADER: routing_key("thread-a")}
     assert fields["cache_prompt"] is True
     assert 0 <= fields["id_slot"] < BOX_SLOTS - 1  # the last slot is kept for memory jobs
+    # the 8 threads' first requests get 8 distinct slots, wherever the gateway puts them
+    fresh = BoxSlots(BOX_SLOTS, boxes=("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    assert len({fresh.slot_for(f"thread-{i}") for i in range(8)}) == 8
     for name in ("cache_aware", "round_robin"):
         variant = by_name[name]
         assert variant.gateway_flags() == ["--policy", name]
-        assert variant.request(None, api, "thread-a") == ({}, {"cache_prompt": True})
-
-
-def test_stand_in_box_slots_learn_the_box_and_keep_threads_apart() -> None:
-    slots = _BoxSlots(3, reserve_reflection=True)  # 2 conversation slots per box
-    first = slots.slot_for("a")
-    assert first == slots.slot_for("a")  # hash-preferred until the box is known
-    slots.served("a", "http://box-1")
-    assert slots.slot_for("a") == first  # keeps the slot it used, free on that box
-    # every other thread on the same box gets the other slot
-    others = [t for t in (f"t{i}" for i in range(40)) if slots.slot_for(t) == first][:1]
-    slots.served(others[0], "http://box-1")
-    assert slots.slot_for(others[0]) == 1 - first
-    # a move frees the slot on the old box
-    slots.served("a", "http://box-2")
-    slots.served("c", "http://box-1")
-    assert slots.slot_for("c") == first
+        assert variant.request(None, "thread-a") == ({}, {"cache_prompt": True})
 
 
 def test_threads_cycle_over_trajectories_and_copies_differ_after_the_system_prompt() -> None:

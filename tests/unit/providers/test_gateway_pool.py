@@ -185,3 +185,11 @@ async def test_without_a_routing_header_no_header_is_sent(
     graph = build_graph(settings=settings, tools=[])
     await graph.ainvoke(user_input("hi"), context=FusionContext(mode="local", sub_runners="off"))
     assert "x-fusion-thread" not in gw.request_headers[0]
+
+
+def test_with_every_slot_held_two_new_threads_do_not_start_on_one_slot() -> None:
+    slots = BoxSlots(3, boxes=("http://a",))  # 2 conversation slots
+    for thread in ("t0", "t1"):
+        slots.slot_for(thread)
+        slots.served(thread, "http://a")
+    assert slots.slot_for("t2") != slots.slot_for("t3")  # both first requests still in flight
