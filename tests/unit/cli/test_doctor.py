@@ -397,3 +397,41 @@ def test_context_budget_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(module, "_tools_probe", lambda client, root: (200, ""))
     invoke("--context", '{"max_completion_tokens": 1234}')
     assert seen == [1234]
+
+
+# --------------------------------------------------------------------------- a gateway over boxes
+
+
+def box_props(slots: int) -> dict[str, Any]:
+    return {"total_slots": slots, "model_alias": "fake", "default_generation_settings": {"n_ctx": 8192}}
+
+
+@pytest.mark.parametrize(("second_slots", "agree"), [(4, "ok"), (3, "fail")])
+def test_a_gateway_is_checked_through_its_boxes_and_they_must_agree(
+    cloud: FakeOpenAI, monkeypatch: pytest.MonkeyPatch, second_slots: int, agree: str
+) -> None:
+    with FakeOpenAI() as gateway, FakeOpenAI() as box_1, FakeOpenAI() as box_2:
+        box_1.props, box_2.props = box_props(4), box_props(second_slots)
+        monkeypatch.setenv("FUSION_LOCAL_BASE_URL", gateway.base_url)
+        monkeypatch.setenv("FUSION_LOCAL_MODEL", "fake")
+        workers = [box.base_url.removesuffix("/v1") for box in (box_1, box_2)]
+        monkeypatch.setenv("FUSION_LOCAL_WORKERS", json.dumps(workers))
+        found = rows(invoke("--json"))
+    assert found["box 1: llama-server"]["status"] == "ok"
+    assert found["box 2: llama-server"]["status"] == "ok"
+    assert found["boxes agree"]["status"] == agree
+    assert found["gateway"]["status"] == "ok" and "x-fusion-thread" in found["gateway"]["detail"]
+    assert "llama-server" not in found  # the gateway itself is not taken for a llama-server
+
+
+def test_a_gateway_that_does_not_serve_local_model_fails_with_the_alias_to_set(
+    cloud: FakeOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with FakeOpenAI() as gateway, FakeOpenAI() as box:
+        box.props = box_props(4)
+        monkeypatch.setenv("FUSION_LOCAL_BASE_URL", gateway.base_url)
+        monkeypatch.setenv("FUSION_LOCAL_WORKERS", json.dumps([box.base_url]))
+        result = invoke("--json")
+    found = rows(result)
+    assert result.exit_code == 1
+    assert found["gateway"]["status"] == "fail" and "--alias local" in found["gateway"]["fix"]
