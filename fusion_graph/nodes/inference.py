@@ -327,9 +327,10 @@ class InferenceNodes:
             reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
             f"kept on the {leg} leg that made it",
         )
-        if leg == "cloud":  # a repair on cloud is cloud spend like any step
+        sizes = None
+        if leg == "cloud" and self.resolver.cloud_budget(context).limited:  # cloud spend like any step
             chain = await self.resolver.chain(context)
-            sizes = await self.measure(state, context)
+            sizes = await self.measure(state, context)  # handed on: the inference does not measure again
             anchors, log = state.get("anchors") or {}, state.get("route_log", [])
             why = self.sizer.over_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
             decision = within_budget(decision, why)
@@ -341,6 +342,7 @@ class InferenceNodes:
             decision=decision,
             signals=None,
             prefer_provider=state.get("provider"),
+            sizes=sizes,
         )
         update, answered = await self._infer(order, state, runtime)
         if answered and update.get("repair_error", state.get("repair_error")) is not None:

@@ -14,6 +14,7 @@ local prefix cache are unaffected.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,7 +75,8 @@ class SynthesisNode:
         legs: tuple[Leg, ...] = ("cloud",)
         cloud = chain.only(legs)  # a re-write on local would only repeat the draft
         anchors, log = state.get("anchors") or {}, state.get("route_log", [])
-        sizes = await self.sizer.measure(chain, history, anchors, context)
+        # Sized as a cloud-only run: llama-server is not asked to count a prompt it will not see.
+        sizes = await self.sizer.measure(chain, history, anchors, dataclasses.replace(context, mode="cloud"))
         kept = {"draft": draft.text, "draft_id": draft.id}
         why = "no cloud provider in this run's chain" if not cloud.links else None
         why = why or self.sizer.over_budget(chain, sizes, anchors, log, turn, context)

@@ -167,9 +167,9 @@ def sampling_leg(preferences: ModelPreferences | None, context: FusionContext) -
 
 
 def _block_text(block: Any) -> str:
-    """One sampling content block as text: text as is, anything else as a placeholder.
+    """One sampling content block as text: text as is, anything else as a note naming what it was.
 
-    Images and audio become a placeholder, not a multimodal block: a text-only
+    Images and audio become such a note (their MIME type), not a multimodal block: a text-only
     local model would refuse the whole request over one image.
     """
     kind = getattr(block, "type", None)

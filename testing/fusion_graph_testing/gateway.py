@@ -27,8 +27,6 @@ What was measured with smg 1.13 and llama-server:
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import os
 import shutil
 import subprocess
@@ -37,12 +35,12 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import httpx
 
 from fusion_graph_testing.llama_server import HOST, free_port
+from fusion_graph_testing.process import ManagedProcess
 
 #: How the gateway is installed (the ``pool`` extra pins ``smg``).
 INSTALL_HINT = "pip install 'fusion-graph[pool]'"
@@ -134,7 +132,7 @@ def _normalized(url: str) -> str:
     return url.rstrip("/")
 
 
-class Gateway:
+class Gateway(ManagedProcess):
     """One ``smg launch`` process on a free loopback port, routing to ``worker_urls``.
 
     Usable as ``with Gateway(urls) as gw:`` or ``async with``, or via
@@ -238,16 +236,6 @@ class Gateway:
         """``base_url + "/v1"``, what OpenAI-compatible clients expect."""
         return f"{self.base_url}/v1"
 
-    @property
-    def pid(self) -> int | None:
-        """PID of the running process, None when not started."""
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the process was started and has not exited."""
-        return self._proc is not None and self._proc.poll() is None
-
     # -- lifecycle ---------------------------------------------------------
 
     def start(self) -> Self:
@@ -279,19 +267,6 @@ class Gateway:
                     continue
                 raise
         raise AssertionError("unreachable")
-
-    def _launch(self) -> None:
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {' '.join(self.args())}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(
-                self.args(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a Ctrl-C in the test runner is ours to handle
-            )
-        atexit.register(self.stop)
 
     def _all_healthy(self, workers: Sequence[Mapping[str, Any]]) -> bool:
         healthy = {_normalized(str(w.get("url", ""))) for w in workers if w.get("is_healthy") is True}
@@ -345,51 +320,7 @@ class Gateway:
 
         self.wait_for_workers(down, timeout=timeout, what=f"{url} to be marked unhealthy")
 
-    def _failure(self, what: str) -> str:
-        return f"{what}; command: {' '.join(self.args())}\nlog {self.log_path}:\n{self.log_tail()}"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Terminates the process (SIGTERM, then SIGKILL after ``timeout`` s).
-
-        Idempotent; only ever signals the PID this object started.
-        """
-        atexit.unregister(self.stop)
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await asyncio.to_thread(self.stop)
-
     # -- introspection -----------------------------------------------------
-
-    def log_tail(self, lines: int = 60) -> str:
-        """The last ``lines`` lines of the gateway log."""
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
 
     def workers(self) -> list[dict[str, Any]]:
         """``GET /workers``: the registered workers (``url``, ``is_healthy``, ``status``, ``load``, ...)."""

@@ -11,8 +11,6 @@ process it started (by PID, never by name).
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import functools
 import os
 import shutil
@@ -22,10 +20,11 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import httpx
+
+from fusion_graph_testing.process import ManagedProcess
 
 #: llama-cpp-python release whose vendored llama.cpp the build script compiles.
 DEFAULT_LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -204,7 +203,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class LlamaServer:
+class LlamaServer(ManagedProcess):
     """One ``llama-server`` process on a free loopback port.
 
     Usable as ``with LlamaServer(model) as srv:`` or ``async with``, or via
@@ -304,16 +303,6 @@ class LlamaServer:
         """``base_url + "/v1"``, what OpenAI-compatible clients expect."""
         return f"{self.base_url}/v1"
 
-    @property
-    def pid(self) -> int | None:
-        """PID of the running process, None when not started."""
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the process was started and has not exited."""
-        return self._proc is not None and self._proc.poll() is None
-
     # -- lifecycle ---------------------------------------------------------
 
     def start(self) -> Self:
@@ -342,19 +331,6 @@ class LlamaServer:
                 raise
         raise AssertionError("unreachable")
 
-    def _launch(self) -> None:
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {' '.join(self.args())}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(
-                self.args(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a Ctrl-C in the test runner is ours to handle
-            )
-        atexit.register(self.stop)
-
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         with httpx.Client(base_url=self.base_url, timeout=2.0) as client:
@@ -373,51 +349,7 @@ class LlamaServer:
                 time.sleep(0.1)
         raise LlamaServerError(self._failure(f"llama-server not healthy after {self.startup_timeout:.0f} s"))
 
-    def _failure(self, what: str) -> str:
-        return f"{what}; command: {' '.join(self.args())}\nlog {self.log_path}:\n{self.log_tail()}"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Terminates the process (SIGTERM, then SIGKILL after ``timeout`` s).
-
-        Idempotent; only ever signals the PID this object started.
-        """
-        atexit.unregister(self.stop)
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await asyncio.to_thread(self.stop)
-
     # -- introspection -----------------------------------------------------
-
-    def log_tail(self, lines: int = 60) -> str:
-        """The last ``lines`` lines of the server log."""
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
 
     def _get(self, path: str) -> httpx.Response:
         response = httpx.get(self.base_url + path, timeout=10.0)

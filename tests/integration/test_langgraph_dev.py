@@ -141,6 +141,8 @@ async def test_langgraph_dev_serves_defaults_refuses_hostile_context_and_runs_a_
         ),
         ({"cloud_model": "a-model-the-operator-never-allowed"}, "is not allowed for this deployment"),
         ({"cloud_share": 150}, "must be between 0 and 100"),
+        ({"thread_cloud_budget_usd": -1}, "thread_cloud_budget_usd: must be between 0"),
+        ({"resynthesize": "always"}, "resynthesize"),
     ]
     for context, message in hostile:
         thread = await client.threads.create()

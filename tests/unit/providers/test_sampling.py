@@ -227,7 +227,7 @@ async def test_max_tokens_is_capped_at_the_runs_completion_budget() -> None:
     assert (record["extra"]["max_tokens"], record["extra"]["requested_max_tokens"]) == (100, 5000)
 
 
-def test_the_prompt_keeps_roles_and_turns_images_into_a_placeholder() -> None:
+def test_the_prompt_keeps_roles_and_names_an_image_in_a_text_note() -> None:
     image = ImageContent(type="image", data="aGVsbG8=", mimeType="image/png")
     request = CreateMessageRequestParams(
         messages=[
