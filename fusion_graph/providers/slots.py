@@ -18,6 +18,7 @@ whenever other requests run in between.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections import Counter, OrderedDict
@@ -100,6 +101,7 @@ class SlotPool:
             self._held.pop(thread_id, None)
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every local request of a thread
 def routing_key(thread_id: str) -> str:
     """The key a gateway routes a thread's local requests by: a stable hash of its id.
 
