@@ -16,10 +16,11 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.store.memory import InMemoryStore
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
+from fusion_graph.providers.slots import routing_key
 from fusion_graph.state import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
-from tests.plugins.pool import POOL_MODEL, POOL_SLOTS, LlamaPool
+from tests.plugins.pool import POOL_MODEL, POOL_SLOTS, LlamaPool, place_keys
 
 #: Every step runs on the local leg (the plan too); short answers keep the tiny model quick.
 LOCAL = FusionContext(mode="local", max_completion_tokens=16, memory_mode="inline", memory_max_tokens=32)
@@ -54,7 +55,8 @@ async def test_eight_threads_spread_over_both_boxes_and_each_finds_its_history_i
     with FakeOpenAI([Reply(content="cloud")]) as cloud:
         graph = pooled_graph(llama_pool, cloud, store=InMemoryStore())
         threads = [f"pooled-thread-{i}" for i in range(8)]
-        # First turns at once: smg's min_group gives a new key the box with the fewest keys in flight.
+        # The gateway pins the threads' keys as min_group balances keys in flight (4 and 4).
+        placed = await asyncio.to_thread(place_keys, llama_pool, [routing_key(t) for t in threads])
         await asyncio.gather(
             *(turn(graph, t, f"{t}: please summarise the design of the pooled deployment") for t in threads)
         )
@@ -75,9 +77,10 @@ async def test_eight_threads_spread_over_both_boxes_and_each_finds_its_history_i
         assert jobs, thread
         assert {r["extra"]["box"] for r in jobs} == {box_of[thread]}
         assert {r["slot"] for r in jobs} == {POOL_SLOTS - 1}
+    assert box_of == {t: placed[routing_key(t)] for t in threads}  # the graph's key went where it was pinned
     served = Counter(box_of.values())
     assert set(served) == {llama_pool.box(url).base_url for url in served}
-    assert len(served) == 2, served  # both boxes serve threads (how many each: the gateway's choice)
+    assert len(served) == 2 and min(served.values()) >= 2, served
 
 
 async def test_a_stopped_box_moves_its_threads_and_their_next_turns_complete(
@@ -88,6 +91,7 @@ async def test_a_stopped_box_moves_its_threads_and_their_next_turns_complete(
     with FakeOpenAI([Reply(content="cloud")]) as cloud:
         graph = pooled_graph(pool, cloud)
         threads = [f"failover-{i}" for i in range(4)]
+        await asyncio.to_thread(place_keys, pool, [routing_key(t) for t in threads])  # two on each box
         first = {t: steps(await turn(graph, t, f"{t}: first question", context))[-1] for t in threads}
         boxes = {record["extra"]["box"] for record in first.values()}
         assert len(boxes) == 2, first

@@ -16,7 +16,6 @@ min_group --routing-key-headers x-fusion-thread``):
 
 from __future__ import annotations
 
-import asyncio
 import stat
 import sys
 from collections import Counter
@@ -36,7 +35,7 @@ from fusion_graph_testing import (
     free_port,
     served_by,
 )
-from tests.plugins.pool import POOL_MODEL, LlamaPool
+from tests.plugins.pool import POOL_MODEL, LlamaPool, place_keys
 
 # -- discovery (no gateway needed) --------------------------------------------
 
@@ -156,52 +155,9 @@ def _chat(
     return response
 
 
-def _wait_in_flight(pool: LlamaPool, count: int) -> None:
-    """Until the gateway counts ``count`` requests in flight over all boxes."""
-
-    def counted(workers: list[dict[str, Any]]) -> bool:
-        return sum(int(w.get("load", 0)) for w in workers) == count
-
-    pool.gateway.wait_for_workers(counted, what=f"{count} requests in flight")
-
-
 def _open_keys(pool: LlamaPool, keys: Sequence[str]) -> dict[str, str]:
-    """Assigns each key a box while the keys opened before it are still in flight; returns the boxes.
-
-    ``min_group`` counts the keys in flight on each box, and (smg 1.13) a
-    streamed response stops counting once its headers are sent, so each key
-    starts a long non-streamed generation, and the next key is sent only once
-    the gateway counts it (``load`` in ``GET /workers``). Then all are
-    cancelled, and one short request per key reads where it was pinned.
-    """
-
-    async def open_all() -> None:
-        async with httpx.AsyncClient(base_url=pool.gateway.base_url, timeout=120.0) as client:
-            pending: list[asyncio.Task[httpx.Response]] = []
-            try:
-                for key in keys:
-                    body = {"model": POOL_MODEL, "messages": _first_turn(key), "max_tokens": 1500}
-                    request = client.post(
-                        "/v1/chat/completions",
-                        headers={pool.routing_key_header: key},
-                        json={**body, "ignore_eos": True},
-                    )
-                    pending.append(asyncio.create_task(request))
-                    await asyncio.to_thread(_wait_in_flight, pool, len(pending))
-            finally:
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-
-    asyncio.run(open_all())
-    _wait_in_flight(pool, 0)
-    boxes = {}
-    with httpx.Client(base_url=pool.gateway.base_url, timeout=60.0) as client:
-        for key in keys:
-            url = served_by(_chat(client, pool, key, _first_turn(key)).headers)
-            assert url is not None
-            boxes[key] = url
-    return boxes
+    """The keys pinned over the boxes as ``min_group`` balances them (``pool.place_keys``)."""
+    return place_keys(pool, keys, _first_turn)
 
 
 def _tokens(box_url: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:

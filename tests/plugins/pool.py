@@ -10,11 +10,14 @@ or llama-server skips the tests locally and fails them under ``CI=true``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from fusion_graph_testing import (
@@ -23,6 +26,7 @@ from fusion_graph_testing import (
     GatewayNotInstalled,
     LlamaServer,
     ensure_smg,
+    served_by,
 )
 from tests.plugins.requires import service_missing
 
@@ -120,3 +124,64 @@ def own_llama_pool(
     """A pool for one test alone: it may stop a box without touching other tests."""
     with start_llama_pool(tiny_model, llama_bin=llama_server_bin, smg_bin=smg_bin, logs=tmp_path) as pool:
         yield pool
+
+
+def _opening(key: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"Task for {key}: rename every helper in module {key}."}]
+
+
+def _wait_in_flight(pool: LlamaPool, count: int) -> None:
+    """Until the gateway counts ``count`` requests in flight over all boxes."""
+
+    def counted(workers: list[dict[str, Any]]) -> bool:
+        return sum(int(w.get("load", 0)) for w in workers) == count
+
+    pool.gateway.wait_for_workers(counted, what=f"{count} requests in flight")
+
+
+def place_keys(
+    pool: LlamaPool, keys: Sequence[str], messages_of: Callable[[str], list[dict[str, Any]]] = _opening
+) -> dict[str, str]:
+    """Pins each routing key to a box as ``min_group`` balances them; returns each key's box.
+
+    ``min_group`` (smg 1.13) gives a new key the box with the fewest keys *in
+    flight*, ties at random, and a streamed response stops counting once its
+    headers are sent. So each key starts a long non-streamed generation and the
+    next key is sent only once the gateway counts it (``load`` in ``GET /workers``):
+    the keys split evenly. Then all are cancelled, and one short request per key
+    reads where it was pinned. Call it from a thread (it runs its own event loop).
+    """
+
+    async def open_all() -> None:
+        async with httpx.AsyncClient(base_url=pool.gateway.base_url, timeout=120.0) as client:
+            pending: list[asyncio.Task[httpx.Response]] = []
+            try:
+                for key in keys:
+                    body = {"model": POOL_MODEL, "messages": messages_of(key), "max_tokens": 1500}
+                    request = client.post(
+                        "/v1/chat/completions",
+                        headers={pool.routing_key_header: key},
+                        json={**body, "ignore_eos": True},
+                    )
+                    pending.append(asyncio.create_task(request))
+                    await asyncio.to_thread(_wait_in_flight, pool, len(pending))
+            finally:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    asyncio.run(open_all())
+    _wait_in_flight(pool, 0)
+    boxes = {}
+    with httpx.Client(base_url=pool.gateway.base_url, timeout=60.0) as client:
+        for key in keys:
+            response = client.post(
+                "/v1/chat/completions",
+                headers={pool.routing_key_header: key},
+                json={"model": POOL_MODEL, "messages": messages_of(key), "max_tokens": 1, "temperature": 0},
+            )
+            response.raise_for_status()
+            url = served_by(response.headers)
+            assert url is not None, "the gateway did not name the box that served"
+            boxes[key] = url
+    return boxes
