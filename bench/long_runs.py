@@ -41,8 +41,8 @@ from bench.traces import DEFAULT_TRACES, QUICK_OTHER, QUICK_SWE, is_swe_file
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.llama_server import ChatLlamaServer, count_prompt_tokens
+from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.providers.sizes import Sizer
 from fusion_graph.providers.slots import SlotPool, slot_body
 from fusion_graph.replay.history import split_system
 from fusion_graph.replay.traces import RecordedTrajectory, TraceError, load_trajectories

@@ -63,8 +63,8 @@ from bench.traces import (
     trace_files,
 )
 from fusion_graph import memory, prompts
+from fusion_graph.providers.ask import bound_model
 from fusion_graph.providers.chain import ChainLink, ProviderChain
-from fusion_graph.providers.inference import bound_model
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.records import timings_numbers

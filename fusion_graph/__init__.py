@@ -4,20 +4,19 @@ What users call or catch is here; each subpackage exports the rest
 (``fusion_graph.providers``, ``fusion_graph.memory``, ``fusion_graph.replay``, ...).
 Names are imported on first use, so ``fusion-graph --help`` and tools that
 only need one subpackage start fast. ``graph`` is the default graph that
-``langgraph.json`` serves, built from the ``FUSION_*`` environment on first use.
+``langgraph.json`` serves (``fusion_graph/agent.py:graph``), built from the
+``FUSION_*`` environment on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fusion_graph.agent import build_graph
     from fusion_graph.context import FusionContext
-    from fusion_graph.graph import build_graph
     from fusion_graph.memory import MemoryJob, drain, sweep
     from fusion_graph.nodes import InvalidInput
     from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
@@ -53,7 +52,7 @@ _EXPORTS = {
     "ProviderRequestError": "fusion_graph.providers.chain",
     "RouteDecision": "fusion_graph.routing",
     "RouteRecord": "fusion_graph.state",
-    "build_graph": "fusion_graph.graph",
+    "build_graph": "fusion_graph.agent",
     "decide_leg": "fusion_graph.routing",
     "drain": "fusion_graph.memory",
     "make_workspace_tools": "fusion_graph.tools",
@@ -65,6 +64,8 @@ _EXPORTS = {
 
 def __getattr__(name: str) -> Any:
     """Import a public name on first use (see ``_EXPORTS``)."""
+    if name == "graph":  # the compiled default graph, built on first use (not cached: the module keeps it)
+        return importlib.import_module("fusion_graph.agent").graph
     where = _EXPORTS.get(name)
     if where is None:
         raise AttributeError(f"module 'fusion_graph' has no attribute {name!r}")
@@ -76,27 +77,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
-
-class _Package(types.ModuleType):
-    """This package: ``fusion_graph.graph`` is always the compiled default graph.
-
-    Importing the submodule ``fusion_graph.graph`` makes Python set the
-    package's ``graph`` attribute to that module; the property keeps the public
-    name meaning the compiled graph (the module stays in ``sys.modules``).
-    """
-
-    @property
-    def graph(self) -> Any:
-        """The default graph (``fusion_graph.graph.graph``), built on first use."""
-        return importlib.import_module("fusion_graph.graph").graph
-
-    @graph.setter
-    def graph(self, value: Any) -> None:
-        if not isinstance(value, types.ModuleType):
-            raise AttributeError("fusion_graph.graph is the default graph; build your own with build_graph()")
-
-
-sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "ChainExhausted",

@@ -23,7 +23,7 @@ from langgraph.graph.state import CompiledStateGraph
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
-from fusion_graph.nodes.inference import InvalidInput, check_new_turn
+from fusion_graph.nodes.executors import InvalidInput, check_new_turn
 from fusion_graph.state import InputState, State
 
 

@@ -200,9 +200,9 @@ async def run_task(
     """
     from langchain_core.messages import AIMessage, HumanMessage
 
+    from fusion_graph.agent import build_graph
     from fusion_graph.cli.stores import has_checkpoint, open_saver, open_store
     from fusion_graph.context import ensure_context
-    from fusion_graph.graph import build_graph
     from fusion_graph.memory import drain
     from fusion_graph.providers.resolver import ProviderResolver
 
@@ -332,7 +332,7 @@ def run(
     run choices (cloud_share, a calibrated score_quantiles table, limits).
     Memory jobs run after the reply and are awaited before the command exits.
     """
-    from fusion_graph.nodes.inference import InvalidInput
+    from fusion_graph.nodes.executors import InvalidInput
     from fusion_graph.providers.chain import ChainExhausted, ProviderRequestError
     from fusion_graph.providers.llama_server import LlamaServerUnavailable
     from fusion_graph.providers.models import ProviderConfigError

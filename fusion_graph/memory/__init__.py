@@ -34,6 +34,13 @@ from fusion_graph.memory.background import (
     steps_settled,
     wait_detached,
 )
+from fusion_graph.memory.job_call import (
+    PRIMER_PROMPT,
+    JobRunner,
+    dropped_record,
+    prime_reflection_slot,
+    run_job,
+)
 from fusion_graph.memory.job_log import (
     LEASE_GRACE_S,
     MAX_ATTEMPTS,
@@ -58,13 +65,6 @@ from fusion_graph.memory.jobs import (
     MemoryJob,
     TurnMemories,
     job_prompt,
-)
-from fusion_graph.memory.runner import (
-    PRIMER_PROMPT,
-    JobRunner,
-    dropped_record,
-    prime_reflection_slot,
-    run_job,
 )
 from fusion_graph.memory.runs import MemoryGraph, MemoryRuns, drain, sweep
 from fusion_graph.memory.store import (

@@ -21,6 +21,7 @@ from langgraph.store.base import BaseStore
 
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.memory import background
+from fusion_graph.memory.job_call import JobRunner, dropped_record, run_job
 from fusion_graph.memory.job_log import (
     LEASE_GRACE_S,
     MAX_ATTEMPTS,
@@ -36,7 +37,6 @@ from fusion_graph.memory.job_log import (
     write_entry,
 )
 from fusion_graph.memory.jobs import DEFAULT_JOBS, JobTicket, MemoryJob
-from fusion_graph.memory.runner import JobRunner, dropped_record, run_job
 from fusion_graph.memory.store import store_items
 from fusion_graph.providers.chain import ChainLink
 from fusion_graph.providers.resolver import ProviderResolver

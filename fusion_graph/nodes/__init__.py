@@ -11,7 +11,7 @@
 
 from fusion_graph.nodes.dispatch import make_tool_node, sends
 from fusion_graph.nodes.ends import give_up, step_limit, unavailable
-from fusion_graph.nodes.inference import InferenceNodes, InvalidInput, check_new_turn, thread_id_of
+from fusion_graph.nodes.executors import InferenceNodes, InvalidInput, check_new_turn, thread_id_of
 from fusion_graph.nodes.memory import MemoryNodes, memory_on
 from fusion_graph.nodes.route import Destination, RouteNode
 from fusion_graph.nodes.synthesis import SynthesisNode, wants_synthesis

@@ -23,8 +23,8 @@ from fusion_graph import memory
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.memory import JobTicket
 from fusion_graph.memory.runs import MemoryRuns
-from fusion_graph.nodes.inference import TurnStart, thread_id_of
-from fusion_graph.providers.inference import ROUTE_EVENT
+from fusion_graph.nodes.executors import TurnStart, thread_id_of
+from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.records import totals_of
 from fusion_graph.state import RouteRecord, State, add_totals
 from fusion_graph.turn import turn_start

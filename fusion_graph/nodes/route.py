@@ -22,7 +22,7 @@ from langgraph.types import Command, Send
 from fusion_graph.budget import within_budget
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import sends
-from fusion_graph.providers.sizes import Sizer
+from fusion_graph.providers.measure import Sizer
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import State
 from fusion_graph.turn import (

@@ -24,10 +24,10 @@ from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.providers.ask import ROUTE_EVENT, Bounds, Inference, infer
 from fusion_graph.providers.chain import ChainLink, ProviderRequestError
-from fusion_graph.providers.inference import ROUTE_EVENT, Bounds, Inference, infer
+from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.records import make_record, totals_of
-from fusion_graph.providers.sizes import Sizer
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.state import RouteRecord, State
 from fusion_graph.turn import last_ai

@@ -30,7 +30,7 @@ from langgraph.types import Command
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import make_tool_node, next_wave
 from fusion_graph.nodes.route import RouteNode
-from fusion_graph.providers.inference import ROUTE_EVENT
+from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.records import totals_of
 from fusion_graph.providers.sampling import sampling_scope
 from fusion_graph.redact import scrub_content

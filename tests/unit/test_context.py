@@ -15,8 +15,8 @@ import pytest
 from pydantic import ValidationError
 
 from fusion_graph import prompts
+from fusion_graph.agent import build_graph
 from fusion_graph.context import DEFAULTS, ENV_KEYS, FusionContext, context_fields, ensure_context
-from fusion_graph.graph import build_graph
 from fusion_graph.settings import ContextError, FusionSettings
 from tests.plugins.fakes import scripted, user_input
 

@@ -13,8 +13,8 @@ from langchain_core.tools import BaseTool, tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import prompts
+from fusion_graph.agent import build_graph
 from fusion_graph.context import FusionContext
-from fusion_graph.graph import build_graph
 from fusion_graph.routing import Leg, Mode
 from fusion_graph.state import State
 from fusion_graph.turn import continuation_route
@@ -365,7 +365,7 @@ async def test_route_log_accumulates_across_turns() -> None:
 
 
 def test_default_graph_compiles_without_a_checkpointer() -> None:
-    from fusion_graph.graph import graph
+    from fusion_graph.agent import graph
 
     assert graph.checkpointer is None
     assert graph.name == "fusion"

@@ -312,7 +312,7 @@ async def test_runs_on_one_thread_queue_instead_of_forking_its_history() -> None
 async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import fusion_graph.nodes.inference as inference_module
+    import fusion_graph.nodes.executors as inference_module
     import fusion_graph.nodes.route as route_module
 
     decided: list[int] = []

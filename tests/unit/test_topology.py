@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion_graph.graph import build_graph
+from fusion_graph.agent import build_graph
 
 SNAPSHOT = Path(__file__).resolve().parent / "snapshots" / "graph.mmd"
 REGENERATE = "UPDATE_SNAPSHOTS=1 .venv/bin/pytest -q tests/unit/test_topology.py"

@@ -57,7 +57,7 @@ def test_walk_sees_the_whole_package() -> None:
     names = runtime_modules()
     assert {
         "fusion_graph",
-        "fusion_graph.graph",
+        "fusion_graph.agent",
         "fusion_graph.providers.llama_server",
         "fusion_graph.routing",
     } <= set(names)

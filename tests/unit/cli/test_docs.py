@@ -80,7 +80,7 @@ def test_env_values() -> None:
 # --------------------------------------------------------------------------- ignore files
 
 SECRETS = [".env", ".env.production", ".env.local"]
-KEPT = [".env.example", "fusion_graph/graph.py", "pyproject.toml", "README.md", "langgraph.json"]
+KEPT = [".env.example", "fusion_graph/agent.py", "pyproject.toml", "README.md", "langgraph.json"]
 
 
 @pytest.mark.skipif(

@@ -51,7 +51,7 @@ from pydantic import Field
 from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.providers import ProviderResolver
-from fusion_graph.providers.inference import ROUTE_EVENT
+from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.sampling import (
     OUTSIDE_THREAD,

@@ -8,8 +8,8 @@ import pytest
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
 
+from fusion_graph.agent import build_graph
 from fusion_graph.context import FusionContext
-from fusion_graph.graph import build_graph
 from fusion_graph.settings import FusionSettings
 from fusion_graph.tools.workspace import (
     MAX_LIST_ENTRIES,

@@ -39,8 +39,8 @@ from fusion_graph.nodes import (
     wants_synthesis,
 )
 from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.providers.sizes import Sizer
 from fusion_graph.run_queue import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens

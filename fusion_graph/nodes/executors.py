@@ -27,11 +27,11 @@ from fusion_graph.budget import cloud_spend, over_budget, within_budget
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.memory import inference_running
 from fusion_graph.nodes.dispatch import check_batch
+from fusion_graph.providers.ask import ROUTE_EVENT, Inference, infer
 from fusion_graph.providers.chain import ChainLink
-from fusion_graph.providers.inference import ROUTE_EVENT, Inference, infer
+from fusion_graph.providers.measure import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.providers.records import make_record, totals_of
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.providers.sizes import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.tokens import TokenCounter

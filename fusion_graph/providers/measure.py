@@ -23,8 +23,8 @@ from langchain_core.tools import BaseTool
 
 from fusion_graph.budget import cloud_spend, over_budget
 from fusion_graph.context import FusionContext
+from fusion_graph.providers.ask import Bounds
 from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain
-from fusion_graph.providers.inference import Bounds
 from fusion_graph.providers.llama_server import count_prompt_tokens
 from fusion_graph.providers.pricing import price
 from fusion_graph.providers.resolver import ProviderResolver

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
+from fusion_graph.providers.ask import HeadersFor, SlotFor, bound_model, call_headers, served_box
 from fusion_graph.providers.chain import ChainLink, ProviderChain
-from fusion_graph.providers.inference import HeadersFor, SlotFor, bound_model, call_headers, served_box
 from fusion_graph.providers.records import answered_record, make_record
 from fusion_graph.providers.slots import slot_body
 from fusion_graph.redact import scrub
