@@ -33,11 +33,11 @@ from typing import Any
 
 from bench.traces import QUICK_OTHER, QUICK_SWE, add_trace_arguments, is_swe_file
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import TraceError
 from fusion_graph.replay.traces import (
     RecordedTrajectory,
     ReplayedTrajectory,
     StepPrices,
-    TraceError,
     load_trajectories,
     replay_trajectory,
     step_prices,

@@ -56,6 +56,7 @@ from rich.table import Table
 from bench.traces import DEFAULT_TRACES, REPO_ROOT
 from fusion_graph.cli.common import progress
 from fusion_graph.context import DEFAULTS, FusionContext
+from fusion_graph.errors import TraceError
 from fusion_graph.replay.calibration import (
     CALIBRATED_PACE_SLACK,
     ScoredStep,
@@ -71,7 +72,6 @@ from fusion_graph.replay.calibration import (
 from fusion_graph.replay.traces import (
     RecordedTrajectory,
     ReplayedTrajectory,
-    TraceError,
     families,
     load_trajectories,
     replay_trajectory,

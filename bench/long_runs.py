@@ -1,7 +1,7 @@
 """Long runs on a real llama-server: no step overflows a window, and the estimate counts like the server.
 
 Every trajectory of the shared traces is replayed as one thread on a real llama-server whose slots
-hold 8,192 tokens, through the graph's own routing (``plan_route`` / ``continuation_route``) and
+hold 8,192 tokens, through the graph's own routing (``turn.next_route``) and
 its own sizing (``sizing.Sizer``: windows from ``GET /props`` and the cloud model's profile,
 per-leg anchors on the servers' reports, llama-server's count of a thread's first local request,
 the fit rule and compaction). Local steps go to llama-server (``max_tokens`` 1: the recorded
@@ -39,19 +39,21 @@ from bench.kv_plan import new_token_counts
 from bench.kv_server import N_SLOTS, prepare_server, server_version
 from bench.traces import DEFAULT_TRACES, QUICK_OTHER, QUICK_SWE, is_swe_file
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import TraceError
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.llama_server import ChatLlamaServer, count_prompt_tokens
 from fusion_graph.providers.measure import Sizer
+from fusion_graph.providers.placement import slot_body
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.providers.slots import SlotPool, slot_body
+from fusion_graph.providers.slots import SlotPool
 from fusion_graph.replay.history import split_system
-from fusion_graph.replay.traces import RecordedTrajectory, TraceError, load_trajectories
+from fusion_graph.replay.traces import RecordedTrajectory, load_trajectories
 from fusion_graph.routing import DEFAULT_CLOUD_SHARE, Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import approximate_tokens, build_prompt
 from fusion_graph.state import PromptAnchor, State
 from fusion_graph.tools.batch import batch_notice
-from fusion_graph.turn import continuation_route, plan_route, turn_start
+from fusion_graph.turn import next_route, turn_start
 
 #: Tokens one llama-server slot holds in this benchmark.
 SLOT_WINDOW = 8192
@@ -125,8 +127,9 @@ class Replayer:
         if thread.leg is not None and step > 0:
             state["leg"] = thread.leg
         sizes = await self.sizer.measure(self.chain, history, thread.anchors, context)
-        route = plan_route if step == 0 else continuation_route
-        decision, _ = route(state, context, prompt_tokens=sizes.score_tokens, budget=sizes.budget)
+        decision, _ = next_route(
+            state, context, plan=step == 0, prompt_tokens=sizes.score_tokens, budget=sizes.budget
+        )
         prepared = await self.sizer.prepare(
             self.chain, decision.leg, history, thread.anchors, context, sizes=sizes
         )

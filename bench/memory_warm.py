@@ -67,8 +67,9 @@ from fusion_graph.providers.ask import bound_model
 from fusion_graph.providers.chain import ChainLink, ProviderChain
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.models import Provider
-from fusion_graph.providers.records import timings_numbers
-from fusion_graph.providers.slots import SlotPool, slot_body
+from fusion_graph.providers.placement import FixedPlacement, Placement, slot_body
+from fusion_graph.providers.slots import SlotPool
+from fusion_graph.records import timings_numbers
 from fusion_graph.routing import DEFAULT_HYSTERESIS
 from fusion_graph.sizing.tokens import build_prompt
 
@@ -239,16 +240,13 @@ async def run_job(
         processed, reused, _ = timings_numbers(answer)
         primed = False
     else:
-
-        async def slot(link: ChainLink) -> int | None:
-            return reflection
-
         runner = memory.JobRunner(
             chain=replay.chain,
             leg="local",
             system_prompt=system,
             tools=tools,
-            reflection_slot=slot,
+            placer=FixedPlacement(Placement(slot=reflection)),
+            thread_id=trajectory.thread_id,
             max_tokens=JOB_MAX_TOKENS,
             prime=replay.variant.prime,
         )

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fusion_graph.replay.traces import TraceError, parse_records, trace_files
+from fusion_graph.errors import TraceError
+from fusion_graph.replay.traces import parse_records, trace_files
 
 __all__ = ["TraceError", "Trajectory", "explained", "load_traces", "trace_files"]
 

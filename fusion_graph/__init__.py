@@ -17,16 +17,23 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fusion_graph.agent import build_graph
     from fusion_graph.context import FusionContext
+    from fusion_graph.errors import (
+        ChainExhausted,
+        ContextError,
+        FusionError,
+        InvalidInput,
+        LlamaServerUnavailable,
+        ProviderConfigError,
+        ProviderRequestError,
+    )
     from fusion_graph.memory import MemoryJob, drain, sweep
-    from fusion_graph.nodes import InvalidInput
-    from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
-    from fusion_graph.providers.llama_server import ChatLlamaServer, LlamaServerUnavailable
-    from fusion_graph.providers.models import ProviderConfigError
+    from fusion_graph.providers.chain import ChainLink, ProviderChain
+    from fusion_graph.providers.llama_server import ChatLlamaServer
+    from fusion_graph.records import RouteRecord
     from fusion_graph.replay import route_history
     from fusion_graph.routing import RouteDecision, decide_leg, score_step
     from fusion_graph.run_queue import FusionGraph
-    from fusion_graph.settings import ContextError, FusionSettings
-    from fusion_graph.state import RouteRecord
+    from fusion_graph.settings import FusionSettings
     from fusion_graph.tools import make_workspace_tools
 
     graph: FusionGraph
@@ -38,20 +45,21 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 #: Where each public name lives.
 _EXPORTS = {
-    "ChainExhausted": "fusion_graph.providers.chain",
+    "ChainExhausted": "fusion_graph.errors",
     "ChainLink": "fusion_graph.providers.chain",
     "ChatLlamaServer": "fusion_graph.providers.llama_server",
-    "ContextError": "fusion_graph.settings",
+    "ContextError": "fusion_graph.errors",
+    "FusionError": "fusion_graph.errors",
     "FusionContext": "fusion_graph.context",
     "FusionSettings": "fusion_graph.settings",
-    "InvalidInput": "fusion_graph.nodes",
-    "LlamaServerUnavailable": "fusion_graph.providers.llama_server",
+    "InvalidInput": "fusion_graph.errors",
+    "LlamaServerUnavailable": "fusion_graph.errors",
     "MemoryJob": "fusion_graph.memory",
     "ProviderChain": "fusion_graph.providers.chain",
-    "ProviderConfigError": "fusion_graph.providers.models",
-    "ProviderRequestError": "fusion_graph.providers.chain",
+    "ProviderConfigError": "fusion_graph.errors",
+    "ProviderRequestError": "fusion_graph.errors",
     "RouteDecision": "fusion_graph.routing",
-    "RouteRecord": "fusion_graph.state",
+    "RouteRecord": "fusion_graph.records",
     "build_graph": "fusion_graph.agent",
     "decide_leg": "fusion_graph.routing",
     "drain": "fusion_graph.memory",
@@ -84,6 +92,7 @@ __all__ = [
     "ChatLlamaServer",
     "ContextError",
     "FusionContext",
+    "FusionError",
     "FusionSettings",
     "InvalidInput",
     "LlamaServerUnavailable",

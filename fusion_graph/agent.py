@@ -4,7 +4,7 @@ Diagram::
 
     START -> plan -> tools (one Send per call) -> route -> local | cloud -> tools -> ...
                                                   route -> repair (same leg) | step_limit | give_up
-    tools -> local | cloud | ...                    (a batch's lone call routes the next step itself)
+                                                  route -> tools (the next wave of a batch)
     plan | local | cloud | repair -> route          (a batch with nothing to run)
     plan | local | cloud | repair -> memory -> END  (a reply; memory is the side branch)
     plan | local | cloud | repair -> synthesis -> memory | END  (a local reply re-written on cloud)
@@ -30,7 +30,6 @@ from fusion_graph.nodes import (
     MemoryNodes,
     RouteNode,
     SynthesisNode,
-    ToolStep,
     give_up,
     memory_on,
     sends,
@@ -38,6 +37,7 @@ from fusion_graph.nodes import (
     unavailable,
     wants_synthesis,
 )
+from fusion_graph.nodes.tools import make_tools_node
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.resolver import ProviderResolver
@@ -128,8 +128,8 @@ def build_graph(
     builder.add_node("local", inference.local)
     builder.add_node("cloud", inference.cloud)
     builder.add_node("repair", inference.repair)
-    # A Send payload (a list of tool calls), not the state, is this node's input, as for ToolNode.
-    builder.add_node("tools", ToolStep(tool_list, route))
+    # A Send payload (a list of one tool call), not the state, is this node's input.
+    builder.add_node("tools", make_tools_node(tool_list))
     builder.add_node("route", route)
     builder.add_node("step_limit", step_limit)
     builder.add_node("give_up", give_up)
@@ -142,6 +142,7 @@ def build_graph(
         builder.add_conditional_edges(
             executor, after_model, ["tools", "route", "synthesis", "memory", "unavailable", END]
         )
+    builder.add_edge("tools", "route")  # every task of a batch joins at route, which decides once
     builder.add_conditional_edges("synthesis", after_synthesis, ["memory", END])
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)

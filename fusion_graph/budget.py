@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
+from fusion_graph.records import RouteRecord, money
 from fusion_graph.routing import RouteDecision
-from fusion_graph.state import RouteRecord
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,6 @@ def cloud_spend(route_log: Sequence[RouteRecord], turn: int) -> CloudSpend:
     return CloudSpend(turn_total, thread)
 
 
-def _money(value: float) -> str:
-    """USD with enough digits for sub-cent steps: ``$0.05``, ``$0.0041``."""
-    text = f"{value:.4f}".rstrip("0")
-    return "$" + (text + "0" if text.endswith(".") else text)
-
-
 def over_budget(budget: CloudBudget, spend: CloudSpend, step_usd: float | None) -> str | None:
     """Why a cloud step costing ``step_usd`` is not affordable, or ``None`` when it is.
 
@@ -93,14 +88,53 @@ def over_budget(budget: CloudBudget, spend: CloudSpend, step_usd: float | None) 
         if limit is None:
             continue
         if step_usd is None:
-            return f"{name} budget {_money(limit)}: the cloud price is unknown (set price_overrides)"
+            return f"{name} budget {money(limit)}: the cloud price is unknown (set price_overrides)"
         if spent + step_usd > limit:
-            return f"{name} budget {_money(limit)}: {_money(spent)} spent, step ~{_money(step_usd)}"
+            return f"{name} budget {money(limit)}: {money(spent)} spent, step ~{money(step_usd)}"
     return None
 
 
-def within_budget(decision: RouteDecision, why: str | None) -> RouteDecision:
-    """``decision``, moved to local when it chose cloud and ``why`` says cloud is over budget."""
-    if decision.leg != "cloud" or why is None:
-        return decision
-    return replace(decision, leg="local", reason=f"{decision.reason}; {why}: local")
+@dataclass(frozen=True)
+class BudgetCheck:
+    """What the cloud budget says of one inference before it is made.
+
+    Attributes:
+        limited: Whether a budget applies at all (none set: nothing is priced).
+        step_usd: The inference's estimated cost on cloud (``None``: unknown, or not priced).
+        over: Why cloud may not make it (``None``: it may).
+    """
+
+    limited: bool = False
+    step_usd: float | None = None
+    over: str | None = None
+
+    def guard(self, decision: RouteDecision) -> RouteDecision:
+        """``decision`` moved local when it chose cloud and cloud is over (reason and ``budget`` say why)."""
+        if decision.leg != "cloud" or self.over is None:
+            return decision
+        reason = f"{decision.reason}; {self.over}: local"
+        return replace(decision, leg="local", reason=reason, budget=self.over)
+
+    def extra(self) -> dict[str, Any]:
+        """What a record keeps of the check: the step's cloud price and, when over, why."""
+        if not self.limited:
+            return {}
+        return {"cloud_step_usd": self.step_usd} | ({"cloud_budget": self.over} if self.over else {})
+
+
+#: No budget set: nothing priced, nothing refused.
+UNLIMITED = BudgetCheck()
+
+
+def check_budget(
+    budget: CloudBudget, route_log: Sequence[RouteRecord], turn: int, step_usd: float | None
+) -> BudgetCheck:
+    """The one budget guard: may an inference of ``turn`` estimated at ``step_usd`` run on cloud?
+
+    The route, plan, repair, re-synthesis, MCP sampling and replay all ask it;
+    ``BudgetCheck.guard`` then moves a cloud decision local, and the executors
+    keep the chain's fallover off cloud past it.
+    """
+    if not budget.limited:
+        return UNLIMITED
+    return BudgetCheck(True, step_usd, over_budget(budget, cloud_spend(route_log, turn), step_usd))

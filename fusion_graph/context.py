@@ -25,9 +25,10 @@ from pydantic.dataclasses import dataclass
 from pydantic_core import ArgsKwargs
 
 from fusion_graph import prompts
+from fusion_graph.errors import ContextError
 from fusion_graph.ranges import between
 from fusion_graph.routing import DEFAULT_CLOUD_SHARE, DEFAULT_HYSTERESIS, Mode, check_score_quantiles
-from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS, ContextError
+from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS
 
 #: Marks a field as a model name so LangGraph Studio renders a model picker (in the served schema).
 LLM_PICKER = Field(json_schema_extra={"__template_metadata__": {"kind": "llm"}})

@@ -98,6 +98,8 @@ class RouteDecision:
     threshold: float | None
     """An integer under the design's rule; points (2 decimals) under a calibrated table."""
     reason: str
+    budget: str | None = None
+    """Why a cloud budget moved this decision from cloud to local (``None``: it did not)."""
 
 
 def _ratio(numerator: float, denominator: float) -> float:

@@ -15,15 +15,15 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from langchain_core.messages import convert_to_messages
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph.state import CompiledStateGraph
 
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.errors import InvalidInput
+from fusion_graph.inputs import check_input
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
-from fusion_graph.nodes.executors import InvalidInput, check_new_turn
 from fusion_graph.state import InputState, State
 
 
@@ -115,26 +115,6 @@ def _refuse_in_loop() -> None:
 
 
 _SYNC = _SyncLoop()
-
-
-def check_input(input: Any, max_chars: int | None = None) -> None:
-    """Refuse graph input that carries no new user message, or more than ``max_chars`` of text.
-
-    ``None`` and ``Command`` resume a thread and pass.
-    """
-    if input is None or not isinstance(input, dict):
-        return  # resume (None), Command(resume=...), or a type LangGraph itself rejects
-    raw: Any = input.get("messages")
-    if raw is None:
-        check_new_turn([])
-    messages = convert_to_messages(raw if isinstance(raw, list) else [raw])
-    check_new_turn(messages)
-    size = sum(len(str(m.content)) for m in messages)
-    if max_chars is not None and size > max_chars:
-        raise InvalidInput(
-            f"the input is {size:,} characters; this deployment takes at most {max_chars:,} "
-            "(the operator sets FUSION_MAX_INPUT_CHARS)"
-        )
 
 
 class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):

@@ -20,16 +20,13 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fusion_graph.errors import ContextError
 from fusion_graph.paths import lexical_parts
 from fusion_graph.ranges import between, price, seconds
 
 ENV_PREFIX = "FUSION_"
 
 Price = Annotated[float, AfterValidator(price)]
-
-
-class ContextError(ValueError):
-    """A run's context asks for something the operator did not allow; the message names the field."""
 
 
 #: Secret files the built-in tools refuse by default: dotenv files, private keys, git internals.

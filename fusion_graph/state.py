@@ -1,9 +1,12 @@
-"""Graph state: what the caller sends in, and what the graph keeps per thread."""
+"""Graph state: what the caller sends in, and what the graph keeps per thread.
+
+The route records in it are ``fusion_graph.records``' (no graph runtime there).
+"""
 
 from __future__ import annotations
 
 import operator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from langchain_core.messages import AnyMessage
 from langgraph.graph.message import add_messages
@@ -12,54 +15,8 @@ from langgraph.graph.message import add_messages
 # LangGraph server's schema endpoint rejects the latter.
 from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
+from fusion_graph.records import DecisionFields, RouteRecord, add_totals
 from fusion_graph.routing import Leg
-
-StepKind = Literal["plan", "step", "repair", "memory", "synthesis", "sampling"]
-
-#: Inferences beside the turn's steps (memory jobs, a reply's re-write, MCP samples): not routed
-#: by the score, so step counts and the share of steps on cloud leave them out.
-SIDE_KINDS = frozenset({"memory", "synthesis", "sampling"})
-
-
-class DecisionFields(TypedDict):
-    """A routing decision as plain data: the score, its terms, the threshold, the reason, the signals."""
-
-    score: int | None
-    breakdown: dict[str, float] | None
-    threshold: float | None
-    reason: str
-    signals: dict[str, Any]
-
-
-class RouteRecord(DecisionFields):
-    """One inference of a turn: where it ran, why, who answered and what it cost.
-
-    Token and cost fields come from the answering provider's own report, or
-    are ``None`` when it reported nothing: never an estimate.
-    """
-
-    turn: int
-    step: int
-    kind: StepKind
-    leg: Leg
-    """The leg that answered (differs from ``routed_leg`` after a fallover)."""
-    routed_leg: Leg
-    """The leg the router (or the repair rule) chose."""
-    provider: str | None
-    """Id of the provider that answered; ``cost_usd`` is priced at its prices."""
-    attempts: list[dict[str, Any]]
-    """Failed attempts before the answer: provider, leg, error class, kind, latency."""
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    completion_tokens: int | None
-    cost_usd: float | None
-    slot: int | None
-    """llama-server slot of a local step (``None`` on cloud)."""
-    processed_tokens: int | None
-    """Prompt tokens the local server actually processed (``timings.prompt_n``)."""
-    prompt_ms: float | None
-    """Local prefill time (``timings.prompt_ms``); comparable only within one run."""
-    extra: dict[str, Any]
 
 
 class PendingRoute(DecisionFields):
@@ -69,6 +26,8 @@ class PendingRoute(DecisionFields):
     leg: Leg
     estimates: NotRequired[dict[str, dict[str, Any]]]
     """The prompt estimate per leg the decision used (``estimate.Estimate`` as a dict)."""
+    budget: NotRequired[str]
+    """Why a cloud budget moved the decision local (absent: it did not)."""
 
 
 class PromptAnchor(TypedDict):
@@ -107,19 +66,6 @@ class Stall(TypedDict):
     node: str
     message: str
     retry_in_s: float | None
-
-
-def add_totals(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any]:
-    """Reducer: add running totals (numbers add up, nested tables add key by key)."""
-    merged: dict[str, Any] = dict(left or {})
-    for key, value in (right or {}).items():
-        if isinstance(value, dict):
-            merged[key] = add_totals(merged.get(key), value)
-        elif isinstance(value, int | float):
-            merged[key] = merged.get(key, 0) + value
-        else:
-            merged[key] = value
-    return merged
 
 
 class InputState(TypedDict):

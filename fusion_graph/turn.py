@@ -16,7 +16,8 @@ from langchain_core.tools import BaseTool
 
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
-from fusion_graph.routing import Leg, Pace, RouteDecision, StepScore, StepSignals, decide_leg, score_step
+from fusion_graph.records import RouteRecord
+from fusion_graph.routing import Pace, RouteDecision, StepScore, StepSignals, decide_leg, score_step
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.history_memo import HistoryMemo
@@ -28,7 +29,7 @@ from fusion_graph.sizing.tokens import (
     prompt_estimate,
     system_tokens,
 )
-from fusion_graph.state import PendingRoute, RouteRecord, State, StepTally
+from fusion_graph.state import PendingRoute, State, StepTally
 
 
 def _is_turn_start(message: BaseMessage) -> bool:
@@ -200,19 +201,23 @@ def step_signals(
     )
 
 
-def route_step(
+def next_route(
     state: State,
     context: FusionContext,
-    *,
-    step: int,
-    notice: bool,
-    current_leg: Leg | None,
     count_tokens: TokenCounter = approximate_tokens,
+    *,
+    plan: bool = False,
     prompt_tokens: int | None = None,
     budget: int | None = None,
     tools: Sequence[BaseTool] = (),
 ) -> tuple[RouteDecision, StepSignals]:
-    """Measure the signals of ``step`` on ``state``'s messages, score them and pick the leg.
+    """Measure, score and route the step about to run on ``state``: the one routing function.
+
+    ``plan``: the turn's step 0 (cloud whenever ``cloud_share > 0`` in fusion; no
+    notice, no current leg). Otherwise the next continuation step, whose notice
+    term fires for a trimmed batch, the loop detector, or a tool result cut to
+    ``max_tool_output_tokens``, and whose current leg (hysteresis) is the last
+    step's. The ``route`` node, the plan step and replay call this.
 
     ``prompt_tokens`` is the graph's estimate of the prompt (anchored on the
     server's report); without it the prompt is estimated, ``tools`` included.
@@ -221,13 +226,14 @@ def route_step(
     """
     if budget is None:
         budget = conversation_budget(context.conversation_max_tokens, None, context.max_completion_tokens)
+    step = 0 if plan else next_step(state)
     signals = step_signals(
         system_prompt=context.system_prompt,
         messages=state["messages"],
         step=step,
         max_steps=context.max_steps,
         conversation_max_tokens=budget,
-        notice=notice,
+        notice=False if plan else bool(state.get("notice", False) or output_cut(state["messages"])),
         count_tokens=count_tokens,
         tools=tools,
         prompt_tokens=prompt_tokens,
@@ -235,7 +241,7 @@ def route_step(
     decision = decide_leg(
         mode=context.mode,
         step=step,
-        current_leg=current_leg,
+        current_leg=None if plan else state.get("leg"),
         score=score_step(signals),
         cloud_share=context.cloud_share,
         hysteresis=context.hysteresis,
@@ -243,56 +249,6 @@ def route_step(
         pace=pace_of(state, context),
     )
     return decision, signals
-
-
-def continuation_route(
-    state: State,
-    context: FusionContext,
-    count_tokens: TokenCounter = approximate_tokens,
-    *,
-    prompt_tokens: int | None = None,
-    budget: int | None = None,
-    tools: Sequence[BaseTool] = (),
-) -> tuple[RouteDecision, StepSignals]:
-    """Score and route the next continuation step (the ``route`` node and replay call this).
-
-    The notice term fires for a trimmed batch, the loop detector, or a tool
-    result cut to ``max_tool_output_tokens``.
-    """
-    return route_step(
-        state,
-        context,
-        step=next_step(state),
-        notice=state.get("notice", False) or output_cut(state["messages"]),
-        current_leg=state.get("leg"),
-        count_tokens=count_tokens,
-        prompt_tokens=prompt_tokens,
-        budget=budget,
-        tools=tools,
-    )
-
-
-def plan_route(
-    state: State,
-    context: FusionContext,
-    count_tokens: TokenCounter = approximate_tokens,
-    *,
-    prompt_tokens: int | None = None,
-    budget: int | None = None,
-    tools: Sequence[BaseTool] = (),
-) -> tuple[RouteDecision, StepSignals]:
-    """Route step 0 (the plan): cloud whenever ``cloud_share > 0`` in fusion."""
-    return route_step(
-        state,
-        context,
-        step=0,
-        notice=False,
-        current_leg=None,
-        count_tokens=count_tokens,
-        prompt_tokens=prompt_tokens,
-        budget=budget,
-        tools=tools,
-    )
 
 
 def to_pending(
@@ -317,6 +273,8 @@ def to_pending(
     )
     if estimates:
         choice["estimates"] = {leg: estimate.as_dict() for leg, estimate in estimates.items()}
+    if decision.budget is not None:
+        choice["budget"] = decision.budget
     return choice
 
 
@@ -328,7 +286,9 @@ def from_pending(choice: PendingRoute) -> tuple[RouteDecision, StepSignals]:
         if choice["score"] is not None and breakdown is not None
         else None
     )
-    decision = RouteDecision(choice["leg"], score, choice["threshold"], choice["reason"])
+    decision = RouteDecision(
+        choice["leg"], score, choice["threshold"], choice["reason"], budget=choice.get("budget")
+    )
     return decision, StepSignals(**choice["signals"])
 
 

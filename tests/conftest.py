@@ -20,6 +20,7 @@ pytest_plugins = [
     "tests.plugins.llama",  # real llama-server: llama_server_bin, tiny_model, llama_server, own_llama_server
     "tests.plugins.postgres",  # real PostgreSQL: postgres_url, postgres_db
     "tests.plugins.pool",  # several real llama-servers behind a real smg gateway: llama_pool
+    "tests.plugins.langgraph_server",  # langhost serve workers on Postgres + Redis: start_langgraph_server
 ]
 
 

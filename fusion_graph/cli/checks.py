@@ -64,12 +64,8 @@ async def check_local_server(
     context: FusionContext, settings: FusionSettings, *, timeout: float = 3.0
 ) -> None:
     """Raise a CLI error naming the URL, the variable and how to start llama-server when it is down."""
-    from fusion_graph.providers.llama_server import (
-        START_HINT,
-        LlamaServerUnavailable,
-        NotLlamaServer,
-        fetch_total_slots,
-    )
+    from fusion_graph.errors import LlamaServerUnavailable, NotLlamaServer
+    from fusion_graph.providers.llama_server import START_HINT, fetch_total_slots
 
     if not needs_local(context):
         return

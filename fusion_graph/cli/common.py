@@ -24,9 +24,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
+    from fusion_graph.records import RouteRecord
     from fusion_graph.replay.traces import RecordedTrajectory, StepPrices
     from fusion_graph.settings import FusionSettings
-    from fusion_graph.state import RouteRecord
 
 
 def stderr_console() -> Console:
@@ -38,13 +38,6 @@ def stdout_console() -> Console:
     """A console on stdout; 120 columns wide when stdout is not a terminal (pipes, files, tests)."""
     console = Console()
     return console if console.is_terminal else Console(width=120)
-
-
-class RunError(ValueError):
-    """A run cannot start as asked (an unknown thread, a bad ``--postgres`` URL); the message names the fix.
-
-    The commands print it as one line on stderr and exit 2.
-    """
 
 
 def fail(message: str) -> typer.Exit:
@@ -99,7 +92,7 @@ def context_dict(raw: str | None) -> dict[str, Any]:
 def build_context(raw: str | None, **overrides: Any) -> FusionContext:
     """``FusionContext`` from ``--context`` plus explicit options (``None`` options are ignored)."""
     from fusion_graph.context import ensure_context
-    from fusion_graph.settings import ContextError
+    from fusion_graph.errors import ContextError
 
     data = context_dict(raw)
     data.update({key: value for key, value in overrides.items() if value is not None})
@@ -123,8 +116,8 @@ def build_settings(**overrides: Any) -> FusionSettings:
 
 def run_prices(context: FusionContext, settings: FusionSettings) -> StepPrices:
     """Prices of replayed steps: the operator's, at the run's cloud model when it narrows it."""
+    from fusion_graph.errors import ContextError
     from fusion_graph.replay.traces import step_prices
-    from fusion_graph.settings import ContextError
 
     try:
         return step_prices(settings.narrow(cloud_model=context.cloud_model))
@@ -134,7 +127,8 @@ def run_prices(context: FusionContext, settings: FusionSettings) -> StepPrices:
 
 def load_or_fail(paths: Sequence[Path]) -> list[RecordedTrajectory]:
     """The trajectories under ``paths``, or a clear error naming what is missing."""
-    from fusion_graph.replay.traces import TraceError, load_trajectories
+    from fusion_graph.errors import TraceError
+    from fusion_graph.replay.traces import load_trajectories
 
     try:
         trajectories = load_trajectories(paths)

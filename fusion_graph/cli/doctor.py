@@ -540,13 +540,8 @@ def llama_checks(settings: FusionSettings, budget: int, *, timeout: float) -> li
     """llama-server at ``local_base_url``: reachable, llama-server at all, then ``props_checks``."""
     import httpx
 
-    from fusion_graph.providers.llama_server import (
-        START_HINT,
-        LlamaServerUnavailable,
-        NotLlamaServer,
-        fetch_props,
-        server_root,
-    )
+    from fusion_graph.errors import LlamaServerUnavailable, NotLlamaServer
+    from fusion_graph.providers.llama_server import START_HINT, fetch_props, server_root
 
     root = server_root(settings.local_base_url)
     try:
@@ -592,7 +587,8 @@ def pool_checks(settings: FusionSettings, budget: int, *, timeout: float) -> lis
 
     import httpx
 
-    from fusion_graph.providers.llama_server import LlamaServerUnavailable, NotLlamaServer, fetch_props
+    from fusion_graph.errors import LlamaServerUnavailable, NotLlamaServer
+    from fusion_graph.providers.llama_server import fetch_props
 
     rows: list[Check] = []
     seen: list[tuple[str, tuple[Any, ...]]] = []
@@ -863,7 +859,7 @@ def doctor(
     template's tool support; a POST /apply-template with one tool shows whether
     --jinja is on. Exit code 0 when no check fails (warnings allowed), else 1.
     """
-    from fusion_graph.settings import ContextError
+    from fusion_graph.errors import ContextError
 
     run_context = build_context(context)
     settings = build_settings(workspace_root=str(workspace) if workspace is not None else None)

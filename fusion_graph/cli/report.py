@@ -26,12 +26,13 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.run import DEFAULT_DB
+from fusion_graph.records import kept_local_by_budget
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from fusion_graph.providers.pricing import TokenPrices
-    from fusion_graph.state import RouteRecord
+    from fusion_graph.records import RouteRecord
 
 #: Characters of a thread's first user message shown by the report.
 FIRST_MESSAGE_CHARS = 40
@@ -140,18 +141,6 @@ def savings(cost: float, all_cloud: float | None) -> tuple[float | None, float |
         return None, None
     saved = all_cloud - cost
     return saved, (round(saved / all_cloud, 4) if all_cloud > 0 else None)
-
-
-#: In a record's reason, the text ``budget.within_budget`` adds when a cloud budget moved the step local.
-BUDGET_MARK = " budget $"
-
-
-def kept_local_by_budget(record: RouteRecord) -> bool:
-    """Whether a cloud budget kept this step local (its reason says so, or ``extra`` has ``cloud_budget``)."""
-    reason = record.get("reason") or ""
-    return (BUDGET_MARK in reason and reason.endswith(": local")) or "cloud_budget" in (
-        record.get("extra") or {}
-    )
 
 
 def budget_summary(records: Sequence[RouteRecord]) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from fusion_graph.cli.checks import (
 )
 from fusion_graph.cli.common import (
     CloudShare,
-    RunError,
     build_context,
     build_settings,
     fail,
@@ -37,13 +36,14 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.live import StepTable
+from fusion_graph.errors import RunError
 
 if TYPE_CHECKING:
     from langchain_core.language_models import BaseChatModel
 
     from fusion_graph.context import FusionContext
+    from fusion_graph.records import RouteRecord
     from fusion_graph.settings import FusionSettings
-    from fusion_graph.state import RouteRecord
 
 __all__ = [  # the checks and the live table are part of `run` (re-exported)
     "DEFAULT_DB",
@@ -332,11 +332,14 @@ def run(
     run choices (cloud_share, a calibrated score_quantiles table, limits).
     Memory jobs run after the reply and are awaited before the command exits.
     """
-    from fusion_graph.nodes.executors import InvalidInput
-    from fusion_graph.providers.chain import ChainExhausted, ProviderRequestError
-    from fusion_graph.providers.llama_server import LlamaServerUnavailable
-    from fusion_graph.providers.models import ProviderConfigError
-    from fusion_graph.settings import ContextError
+    from fusion_graph.errors import (
+        ChainExhausted,
+        ContextError,
+        InvalidInput,
+        LlamaServerUnavailable,
+        ProviderConfigError,
+        ProviderRequestError,
+    )
 
     if not workspace.is_dir():
         raise fail(f"--workspace {workspace} is not a directory")

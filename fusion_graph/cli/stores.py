@@ -13,7 +13,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from fusion_graph.cli.common import RunError
+from fusion_graph.errors import RunError
 
 if TYPE_CHECKING:
     from langgraph.checkpoint.base import BaseCheckpointSaver

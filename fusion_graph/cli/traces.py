@@ -245,7 +245,8 @@ def replay(
     replays = replay_with_progress(trajectories, run_context, prices=prices)
     result = summarize(replays, prices)
     if plot is not None:
-        from fusion_graph.replay.plot import MAX_TIMELINES, PlotUnavailable, replay_figure
+        from fusion_graph.errors import PlotUnavailable
+        from fusion_graph.replay.plot import MAX_TIMELINES, replay_figure
 
         try:
             replay_figure(replays, run_context, limit=plot_limit, path=plot)
@@ -417,9 +418,9 @@ def calibrate_command(
     figures are in --json under without_budget). The context carries the budgets.
     """
     from fusion_graph.context import ensure_context
-    from fusion_graph.replay.calibration import CalibrationError, calibrate_many
+    from fusion_graph.errors import CalibrationError, ContextError
+    from fusion_graph.replay.calibration import calibrate_many
     from fusion_graph.replay.traces import summarize
-    from fusion_graph.settings import ContextError
 
     target, kind = _target(target_cloud_fraction, target_cost_fraction, of)
     given = context_dict(context)
@@ -441,7 +442,8 @@ def calibrate_command(
     except CalibrationError as error:
         raise fail(str(error)) from error
     if plot is not None:
-        from fusion_graph.replay.plot import PlotUnavailable, calibration_curve
+        from fusion_graph.errors import PlotUnavailable
+        from fusion_graph.replay.plot import calibration_curve
 
         try:
             calibration_curve(

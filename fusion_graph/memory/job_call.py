@@ -5,25 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
-from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
-from fusion_graph.providers.ask import HeadersFor, SlotFor, bound_model, call_headers, served_box
+from fusion_graph.providers.ask import Ask, Bounds, ask
 from fusion_graph.providers.chain import ChainLink, ProviderChain
-from fusion_graph.providers.records import answered_record, make_record
-from fusion_graph.providers.slots import slot_body
+from fusion_graph.providers.placement import Placement, Placer
+from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
 from fusion_graph.routing import Leg, RouteDecision
-from fusion_graph.state import RouteRecord
 
 logger = logging.getLogger(__name__)
 
@@ -83,50 +82,38 @@ class JobRunner:
         leg: The ``sub_runners`` leg the jobs start on.
         system_prompt: The steps' system prompt (the prefix must match theirs).
         tools: The tools the steps bind (their schemas are part of the prefix).
-        reflection_slot: The llama-server slot for jobs on a local link (``None``: not llama-server).
+        placer: Where local requests go (the reflection slot, on the thread's box).
+        thread_id: The thread the jobs are about.
         max_tokens: Completion budget of one answer.
+        timeout_s: Seconds one attempt may take (``request_timeout``).
         config: Callbacks and tags of the run (``None`` for detached jobs).
         prime: Prime the reflection slot before a local job (``bench/memory_warm.py`` measures
             what turning it off costs).
-        headers: Headers of a job's request to a link (the thread's routing key on a local link).
     """
 
     chain: ProviderChain
     leg: Leg
     system_prompt: str
     tools: Sequence[BaseTool]
-    reflection_slot: SlotFor
+    placer: Placer
+    thread_id: str
     max_tokens: int
+    timeout_s: float | None = None
     config: RunnableConfig | None = None
     prime: bool = True
-    headers: HeadersFor | None = None
 
 
-def _job_kwargs(
-    link: ChainLink, job: MemoryJob, runner: JobRunner, body: dict[str, Any] | None
-) -> dict[str, Any]:
-    """``_body_kwargs`` and the request's headers."""
-    return _body_kwargs(link, job, runner, body) | call_headers(link, runner.headers)
+def _job_body(job: MemoryJob, runner: JobRunner) -> dict[str, Any]:
+    """Request fields of a job on an OpenAI-compatible link: the schema, and no tool calls.
 
-
-def _body_kwargs(
-    link: ChainLink, job: MemoryJob, runner: JobRunner, body: dict[str, Any] | None
-) -> dict[str, Any]:
-    """Request fields of a job: the schema, no tool calls, the slot.
-
-    ``response_format`` travels in ``extra_body``: as a model argument,
-    langchain-openai would parse the answer with the SDK, which refuses
-    non-strict tools, and the tools must stay bound for the prefix to match.
+    ``response_format`` travels in the body: as a model argument, langchain-openai
+    would parse the answer with the SDK, which refuses non-strict tools, and the
+    tools must stay bound for the prefix to match.
     """
-    if not isinstance(link.model, ChatOpenAI):
-        return {"extra_body": body} if body is not None else {}
-    kwargs: dict[str, Any] = {
-        "max_tokens": runner.max_tokens,
-        "extra_body": {**(body or {}), "response_format": job.response_format()},
-    }
+    body: dict[str, Any] = {"response_format": job.response_format()}
     if runner.tools:
-        kwargs["tool_choice"] = "none"
-    return kwargs
+        body["tool_choice"] = "none"
+    return body
 
 
 async def run_job(
@@ -141,59 +128,63 @@ async def run_job(
     records: list[RouteRecord] = []
     prefer: str | None = None
     error = ""
-    slots: dict[str, int | None] = {}
-    primed: dict[str, bool] = {}
+    bounds = Bounds(timeout_s=runner.timeout_s)
     for attempt in range(2):
         reason = f"memory job {job.name} on the {runner.leg} leg (sub_runners={runner.leg})"
         decision = RouteDecision(leg=runner.leg, score=None, threshold=None, reason=reason)
+        primed: dict[str, bool] = {}
         prime = runner.prime and attempt == 0  # a repair continues the slot's own content
 
-        async def invoke(
-            link: ChainLink, prompt: list[BaseMessage] = prompt, prime: bool = prime
-        ) -> AIMessage:
-            slot = await runner.reflection_slot(link) if link.leg == "local" else None
-            body = slot_body(link.leg, slot)
-            slots[link.id] = slot if body is not None else None
-            model: Runnable[Any, Any] = bound_model(link, runner.tools)
-            kwargs = _job_kwargs(link, job, runner, body)
-            if kwargs:
-                model = model.bind(**kwargs)
-            if slot is None or body is None:
-                answer = await model.ainvoke(prompt, config=runner.config)
-            else:
-                async with _slot_lock(link, slot):
-                    routed = runner.headers(link) if runner.headers is not None else None
-                    primed[link.id] = prime and await prime_reflection_slot(link, slot, routed)
-                    answer = await model.ainvoke(prompt, config=runner.config)
-            return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
+        async def on_slot(
+            link: ChainLink,
+            placement: Placement,
+            call: Callable[[], Awaitable[Any]],
+            prime: bool = prime,
+            primed: dict[str, bool] = primed,
+        ) -> Any:
+            if placement.body(link.leg) is None or placement.slot is None:
+                return await call()
+            async with _slot_lock(link, placement.slot):  # priming and the job it primes for stay together
+                headers = dict(placement.headers) if placement.headers else None
+                primed[link.id] = prime and await prime_reflection_slot(link, placement.slot, headers)
+                return await call()
 
+        call = Ask(
+            kind="memory",
+            turn=turn,
+            step=step,
+            decision=decision,
+            prompt=prompt,
+            thread_id=runner.thread_id,
+            tools=runner.tools,
+            prefer_provider=prefer,
+            reflection=True,
+            body=_job_body(job, runner),
+            max_tokens=runner.max_tokens,
+            config=runner.config,
+            extra={"job": job.name, "repair": attempt > 0},
+            learn_box=False,
+        )
+        failure: BaseException | None = None
         try:
-            outcome = await runner.chain.call(invoke, preferred_leg=runner.leg, prefer_provider=prefer)
-        except Exception as failure:  # noqa: BLE001 - a memory job must never fail the turn
+            asked = await ask(call, chain=runner.chain, placer=runner.placer, bounds=bounds, around=on_slot)
+        except Exception as refused:  # noqa: BLE001 - a memory job must never fail the turn
+            failure = refused
+        else:
+            failure = asked.exhausted if asked.answer is None else None
+        if failure is not None or asked.answer is None:
             why = scrub(f"provider error: {type(failure).__name__}: {failure}")
             logger.warning("memory job %s failed: %s", job.name, why)
             return None, records, why
-        link, answer = outcome.provider, outcome.answer
-        record = answered_record(
-            outcome,
-            turn=turn,
-            step=step,
-            kind="memory",
-            decision=decision,
-            signals=None,
-            slot=slots.get(link.id),
-            extra={"job": job.name, "repair": attempt > 0, "primed": primed.get(link.id, False)},
-        )
-        box = served_box(answer)
-        if box is not None:
-            record["extra"]["box"] = box
+        answer, record = asked.answer, asked.record
+        record["extra"]["primed"] = primed.get(str(record["provider"]), False)
         records.append(record)
         try:
             return job.schema.model_validate_json(_json_text(answer)), records, None
         except (ValidationError, ValueError) as invalid:
             error = str(invalid).splitlines()[0] if str(invalid) else type(invalid).__name__
             prompt = [*prompt, answer, HumanMessage(prompts.MEMORY_REPAIR.format(error=error))]
-            prefer = link.id  # the repair is judged by the model that made the mistake
+            prefer = record["provider"]  # the repair is judged by the model that made the mistake
     records[-1]["extra"]["dropped"] = f"invalid JSON after one repair: {error}"
     return None, records, f"invalid JSON after one repair: {error}"
 
@@ -201,16 +192,8 @@ async def run_job(
 def dropped_record(job: MemoryJob, leg: Leg, turn: int, step: int, why: str) -> RouteRecord:
     """The record of a job that produced no answer at all (timeout, every provider down)."""
     decision = RouteDecision(leg=leg, score=None, threshold=None, reason=f"memory job {job.name} dropped")
-    return make_record(
-        turn=turn,
-        step=step,
-        kind="memory",
-        leg=leg,
-        decision=decision,
-        signals=None,
-        provider=None,
-        answer=None,
-        extra={"job": job.name, "dropped": scrub(why)},
+    return unanswered_record(
+        turn=turn, step=step, kind="memory", decision=decision, extra={"job": job.name, "dropped": scrub(why)}
     )
 
 

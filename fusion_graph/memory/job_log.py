@@ -19,8 +19,8 @@ from fusion_graph.memory.store import (
     now_iso,
     search_all,
 )
+from fusion_graph.records import RouteRecord
 from fusion_graph.routing import Leg
-from fusion_graph.state import RouteRecord
 
 logger = logging.getLogger(__name__)
 

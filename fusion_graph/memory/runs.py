@@ -38,10 +38,9 @@ from fusion_graph.memory.job_log import (
 )
 from fusion_graph.memory.jobs import DEFAULT_JOBS, JobTicket, MemoryJob
 from fusion_graph.memory.store import store_items
-from fusion_graph.providers.chain import ChainLink
 from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.records import RouteRecord
 from fusion_graph.redact import scrub
-from fusion_graph.state import RouteRecord
 
 logger = logging.getLogger(__name__)
 
@@ -189,20 +188,18 @@ class MemoryRuns:
         """Every job of one run (each bounded by ``memory_timeout_s``); their records, never raises."""
         chain = await self.resolver.chain(context)
 
-        async def reflection_slot(link: ChainLink) -> int | None:
-            pool = await self.resolver.slot_pool(link, context)
-            return pool.reflection_slot if pool is not None else None
-
         runner = JobRunner(
             chain=chain,
             leg=ticket.leg,
             system_prompt=context.system_prompt,
             tools=self.tools,
-            reflection_slot=reflection_slot,
+            # The reflection slot, with the thread's routing key: behind a gateway the job runs on
+            # the thread's box, near its cache.
+            placer=self.resolver.placement,
+            thread_id=ticket.thread_id,
             max_tokens=context.memory_max_tokens,
+            timeout_s=self.resolver.settings.request_timeout,
             config=config,
-            # The thread's routing key: behind a gateway the job runs on the thread's box, near its cache.
-            headers=lambda link: self.resolver.local_headers(link, ticket.thread_id),
         )
         mode = context.memory_mode
 

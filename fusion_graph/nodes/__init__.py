@@ -1,21 +1,22 @@
 """The graph's nodes, one module per concern.
 
-- ``inference``: ``plan``, ``local``, ``cloud``, ``repair`` (one inference each, plus its batch check)
+- ``executors``: ``plan``, ``local``, ``cloud``, ``repair`` (one inference each, plus its batch check)
 - ``dispatch``: the batch rules and one ``Send`` per tool call
-- ``tools``: LangGraph's ``ToolNode`` for one call (outputs capped by its hook)
+- ``tools``: LangGraph's ``ToolNode`` for one call, with the graph's hook (sampling records, scrub, cap)
 - ``route``: where the turn goes after a batch, decided once and handed to the executor
 - ``memory``: recall into a new turn and the memory jobs after a reply
 - ``synthesis``: cloud re-writes a turn's final reply when the local leg wrote it
 - ``ends``: ``step_limit``, ``give_up`` and ``unavailable`` (every provider down)
 """
 
+from fusion_graph.errors import InvalidInput
 from fusion_graph.nodes.dispatch import make_tool_node, sends
 from fusion_graph.nodes.ends import give_up, step_limit, unavailable
-from fusion_graph.nodes.executors import InferenceNodes, InvalidInput, check_new_turn, thread_id_of
+from fusion_graph.nodes.executors import InferenceNodes
 from fusion_graph.nodes.memory import MemoryNodes, memory_on
 from fusion_graph.nodes.route import Destination, RouteNode
 from fusion_graph.nodes.synthesis import SynthesisNode, wants_synthesis
-from fusion_graph.nodes.tools import ToolStep
+from fusion_graph.nodes.tools import make_tools_node
 
 __all__ = [
     "Destination",
@@ -24,14 +25,12 @@ __all__ = [
     "MemoryNodes",
     "RouteNode",
     "SynthesisNode",
-    "ToolStep",
-    "check_new_turn",
     "give_up",
     "make_tool_node",
+    "make_tools_node",
     "memory_on",
     "sends",
     "step_limit",
-    "thread_id_of",
     "unavailable",
     "wants_synthesis",
 ]

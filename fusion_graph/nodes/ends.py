@@ -11,8 +11,9 @@ from langgraph.types import Command
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.errors import ChainExhausted
 from fusion_graph.internals import is_resuming
-from fusion_graph.providers.chain import Attempt, ChainExhausted
+from fusion_graph.records import Attempt
 from fusion_graph.state import State
 
 

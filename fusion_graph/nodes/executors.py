@@ -1,84 +1,44 @@
 """Executor nodes: the plan, continuation steps on either leg, and repairs.
 
-Each runs one inference through the provider chain (``executor.infer``), checks
-the answer's tool batch (``dispatch.check_batch``) and writes both in one
-update. Continuation steps act on the decision the ``route`` node handed over
-in ``state["route"]``; they never score again. Before the call the fit rule
-(``sizing.Sizer.prepare``) keeps the step off links whose window cannot hold
-it, compacting the history when none can; after it, the answering leg's
-report becomes that leg's anchor for the next estimate.
+Each makes one inference through the provider chain (``providers.ask.ask``),
+checks the answer's tool batch (``dispatch.check_batch``) and writes both in
+one update. Continuation steps act on the decision the ``route`` node handed
+over in ``state["route"]``; they never score again. Before the call the fit
+rule (``providers.measure.Sizer.prepare``) keeps the step off links whose
+window cannot hold it, compacting the history when none can, and the budget
+guard (``budget.check_budget``) keeps it, and its fallover, off cloud when
+the cloud budget cannot pay for it; after it, the answering leg's report
+becomes that leg's anchor for the next estimate.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
-from langchain_core.runnables import RunnableConfig
+from langchain_core.messages import AIMessage
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
-from fusion_graph.budget import cloud_spend, over_budget, within_budget
+from fusion_graph.budget import BudgetCheck
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.inputs import check_new_turn, thread_id_of
 from fusion_graph.memory import inference_running
 from fusion_graph.nodes.dispatch import check_batch
-from fusion_graph.providers.ask import ROUTE_EVENT, Inference, infer
-from fusion_graph.providers.chain import ChainLink
+from fusion_graph.nodes.memory import Recall, TurnStart
+from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, StepSizes, overflowed
-from fusion_graph.providers.records import make_record, totals_of
 from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.records import StepKind, add_totals, totals_of, unanswered_record
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
-from fusion_graph.sizing.tokens import TokenCounter
-from fusion_graph.state import RouteRecord, State, StepKind, add_totals
-from fusion_graph.turn import from_pending, handed_estimates, plan_route
-
-
-@dataclass(frozen=True)
-class TurnStart:
-    """What the memory side hands a new turn's plan step.
-
-    Attributes:
-        message: Recalled memories, joined to the turn after the user's message (``None``: none).
-        records: Records of memory jobs that finished since the last fold, for ``route_log``.
-    """
-
-    message: HumanMessage | None = None
-    records: tuple[RouteRecord, ...] = ()
-
-
-#: Prepares a new turn: recalls memories, catches up on memory jobs (``fusion_graph.nodes.memory``).
-Recall = Callable[[State, Runtime[FusionContext]], Awaitable[TurnStart]]
-
-
-class InvalidInput(ValueError):
-    """A run was started without a new user message; nothing was sent to any model."""
-
-
-def thread_id_of(config: RunnableConfig) -> str:
-    """The conversation's id (``configurable.thread_id``); one shared id when absent."""
-    return str(config.get("configurable", {}).get("thread_id") or "default")
-
-
-def check_new_turn(messages: Sequence[BaseMessage] | None) -> None:
-    """Refuse a turn whose last message is not a user's (no model call is made for it)."""
-    if not messages:
-        raise InvalidInput(
-            "the run has no messages: send at least one user message, e.g. "
-            '{"messages": [("user", "...")]}; to continue an interrupted run, invoke with None'
-        )
-    last = messages[-1]
-    if not isinstance(last, HumanMessage):
-        raise InvalidInput(
-            f"the last message is a {type(last).__name__}, not a user message: a turn starts with a "
-            "new user message (to continue an interrupted run, invoke with None or Command(resume=...))"
-        )
-
+from fusion_graph.sizing.tokens import TokenCounter, build_prompt
+from fusion_graph.state import State
+from fusion_graph.turn import from_pending, handed_estimates, next_route
 
 #: State fields with reducers: what a node writes there is always new.
 _APPENDED = frozenset({"messages", "route_log", "totals"})
@@ -161,67 +121,54 @@ class InferenceNodes:
         history when none can); if every link that could hold it overflowed
         anyway, the history is compacted further and the inference runs once more.
         """
-        node, kind, step, turn, decision = order.node, order.kind, order.step, order.turn, order.decision
+        node, kind, step, turn = order.node, order.kind, order.step, order.turn
         context = ensure_context(runtime.context)
         chain = await self.resolver.chain(context)
         thread_id = thread_id_of(get_config())
-
-        async def find_slot(link: ChainLink) -> int | None:
-            pool = await self.resolver.slot_pool(link, context)
-            return pool.slot_for(thread_id) if pool is not None else None
-
-        async def served(link: ChainLink, box: str) -> str | None:
-            return await self.resolver.served(link, context, thread_id, box)
-
-        def headers(link: ChainLink) -> dict[str, str] | None:
-            return self.resolver.local_headers(link, thread_id)
-
         anchors = dict(state.get("anchors") or {})
-        prepared = await self.sizer.prepare(
-            chain, decision.leg, state.get("messages", []), anchors, context, sizes=order.sizes
-        )
-        # The budget binds the whole walk: a step the router kept local never falls over to cloud past it.
-        over, budget_extra = None, {}
-        budget = self.resolver.cloud_budget(context)
-        if budget.limited:
-            cost = self.sizer.cloud_cost(chain, prepared.sizes, anchors, context)
-            over = over_budget(budget, cloud_spend(state.get("route_log", []), turn), cost)
-            budget_extra = {"cloud_step_usd": cost} | ({"cloud_budget": over} if over is not None else {})
+        messages = state.get("messages", [])
+        sizes = order.sizes or await self.sizer.measure(chain, messages, anchors, context)
+        # The budget binds the whole walk: a step it keeps local never falls over to cloud past it,
+        # and the fit rule sees the leg the budget left it on.
+        check = self.sizer.check_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
+        decision = check.guard(order.decision)
+        prepared = await self.sizer.prepare(chain, decision.leg, messages, anchors, context, sizes=sizes)
         async with inference_running(thread_id):  # a memory job beside this step starts after it
             for retry in (False, True):
                 if prepared.compaction is not None:
                     _stream_compaction(runtime, (turn, step, kind), decision.leg, prepared)
-                call = Inference(
-                    kind=kind,
-                    step=step,
-                    turn=turn,
-                    decision=prepared.decided(decision),
-                    signals=order.signals,
-                    messages=prepared.messages,
-                    tools=self.tools,
-                    context=context,
-                    prefer_provider=order.prefer_provider,
-                )
                 bounds = self.sizer.bounds(chain, prepared, context)
-                if over is not None:
+                if check.over is not None:
                     allowed = bounds.allowed if bounds.allowed is not None else {x.id for x in chain.links}
                     local = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")
                     if not local:  # only cloud can hold it, and the budget does not allow cloud
-                        return _over_budget_end(order, prepared.decided(decision), prepared, over), True
+                        return _over_budget_end(order, prepared.decided(decision), prepared, check), True
                     bounds = dataclasses.replace(bounds, allowed=local)
-                answer, record, exhausted = await infer(
+                call = Ask(
+                    kind=kind,
+                    turn=turn,
+                    step=step,
+                    decision=prepared.decided(decision),
+                    # Every inference of a thread sends the same system prompt, so the prefix is stable.
+                    prompt=build_prompt(context.system_prompt, prepared.messages),
+                    thread_id=thread_id,
+                    tools=self.tools,
+                    signals=order.signals,
+                    prefer_provider=order.prefer_provider,
+                    extra=prepared.extra() | check.extra(),
+                )
+                asked = await ask(
                     call,
                     chain=chain,
-                    find_slot=find_slot,
-                    runtime=runtime,
+                    placer=self.resolver.placement,
                     bounds=bounds,
-                    extra=prepared.extra() | budget_extra,
-                    headers=headers,
-                    served=served,
+                    writer=runtime.stream_writer,
                 )
-                if answer is not None or retry or exhausted is None or not overflowed(exhausted):
+                exhausted = asked.exhausted
+                if asked.answer is not None or retry or exhausted is None or not overflowed(exhausted):
                     break
                 prepared = await self.sizer.after_overflow(chain, decision.leg, prepared, exhausted, context)
+        record, answer = asked.record, asked.answer
         if answer is None:
             message = str(exhausted) if exhausted is not None else "no provider answered"
             retry_in = exhausted.retry_in_s if exhausted is not None else None
@@ -254,7 +201,8 @@ class InferenceNodes:
         """Step 0: form the plan and pick the first tool batch (cloud whenever cloud_share > 0).
 
         Relevant stored memories join the turn as a message right after the user's,
-        so every later step shares the prefix.
+        so every later step shares the prefix. Once the thread's cloud budget is
+        spent, plans run local too (the budget guard in ``_infer``).
         """
         check_new_turn(state.get("messages"))
         context = ensure_context(runtime.context)
@@ -263,20 +211,16 @@ class InferenceNodes:
         if recalled is not None:
             state = {**state, "messages": [*state["messages"], recalled]}
         sizes = await self.measure(state, context)
-        decision, signals = plan_route(
+        decision, signals = next_route(
             state,
             context,
             self.count_tokens,
+            plan=True,
             prompt_tokens=sizes.score_tokens,
             budget=sizes.budget,
             tools=self.tools,
         )
         turn = state.get("turn", -1) + 1
-        if decision.leg == "cloud":  # once the thread's budget is spent, plans run local too
-            chain = await self.resolver.chain(context)
-            anchors = state.get("anchors") or {}
-            why = self.sizer.over_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
-            decision = within_budget(decision, why)
         order = StepOrder("plan", "plan", step=0, turn=turn, decision=decision, signals=signals, sizes=sizes)
         update, answered = await self._infer(order, state, runtime)
         if not answered:
@@ -315,7 +259,7 @@ class InferenceNodes:
         """Retry a malformed tool call on the leg and provider that made it (never re-scored).
 
         The provider is preferred while healthy; when it is not, the repair falls
-        over like any step.
+        over like any step. On cloud it is priced against the budget like any step.
         """
         context = ensure_context(runtime.context)
         leg: Leg = state.get("leg", "local")
@@ -327,13 +271,6 @@ class InferenceNodes:
             reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
             f"kept on the {leg} leg that made it",
         )
-        sizes = None
-        if leg == "cloud" and self.resolver.cloud_budget(context).limited:  # cloud spend like any step
-            chain = await self.resolver.chain(context)
-            sizes = await self.measure(state, context)  # handed on: the inference does not measure again
-            anchors, log = state.get("anchors") or {}, state.get("route_log", [])
-            why = self.sizer.over_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
-            decision = within_budget(decision, why)
         order = StepOrder(
             "repair",
             "repair",
@@ -342,7 +279,6 @@ class InferenceNodes:
             decision=decision,
             signals=None,
             prefer_provider=state.get("provider"),
-            sizes=sizes,
         )
         update, answered = await self._infer(order, state, runtime)
         if answered and update.get("repair_error", state.get("repair_error")) is not None:
@@ -351,22 +287,20 @@ class InferenceNodes:
 
 
 def _over_budget_end(
-    order: StepOrder, decision: RouteDecision, prepared: Prepared, why: str
+    order: StepOrder, decision: RouteDecision, prepared: Prepared, check: BudgetCheck
 ) -> dict[str, Any]:
     """End the turn: the step fits only a cloud window, and the cloud budget does not allow it.
 
     The record says why (no inference was made); the message tells the user what to do.
     """
     fit = prepared.plan.reason or "the local window cannot hold it"
-    record = make_record(
+    why = check.over or "over budget"
+    record = unanswered_record(
         turn=order.turn,
         step=order.step,
         kind=order.kind,
-        leg=decision.leg,
         decision=decision,
         signals=order.signals,
-        provider=None,
-        answer=None,
         extra={"outcome": "over_budget", "cloud_budget": why, "fit": fit},
     )
     return {

@@ -12,7 +12,8 @@ thread of a graph.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.messages import HumanMessage
@@ -21,15 +22,32 @@ from langgraph.runtime import Runtime
 
 from fusion_graph import memory
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.inputs import thread_id_of
 from fusion_graph.memory import JobTicket
 from fusion_graph.memory.runs import MemoryRuns
-from fusion_graph.nodes.executors import TurnStart, thread_id_of
 from fusion_graph.providers.ask import ROUTE_EVENT
-from fusion_graph.providers.records import totals_of
-from fusion_graph.state import RouteRecord, State, add_totals
+from fusion_graph.records import RouteRecord, add_totals, totals_of
+from fusion_graph.state import State
 from fusion_graph.turn import turn_start
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """What the memory side hands a new turn's plan step.
+
+    Attributes:
+        message: Recalled memories, joined to the turn after the user's message (``None``: none).
+        records: Records of memory jobs that finished since the last fold, for ``route_log``.
+    """
+
+    message: HumanMessage | None = None
+    records: tuple[RouteRecord, ...] = ()
+
+
+#: Prepares a new turn: recalls memories, catches up on memory jobs (``MemoryNodes.recall``).
+Recall = Callable[[State, Runtime[FusionContext]], Awaitable[TurnStart]]
 
 
 def memory_on(runtime: Runtime[Any]) -> bool:

@@ -4,7 +4,8 @@ In order: calls still waiting for their file run next (the next wave of the
 batch), then the step limit, then repairs, then the score picks ``local`` or
 ``cloud``. The score's prompt estimate is measured on the local leg (anchored
 on llama-server's last report for this thread) against the local window's
-usable part. The decision is handed to the executor in ``state["route"]``
+usable part; a cloud step the cloud budget cannot pay for goes local (the
+budget guard). The decision is handed to the executor in ``state["route"]``
 (with those estimates), so the node that runs the step records exactly the
 decision that sent it there.
 """
@@ -19,20 +20,12 @@ from langchain_core.tools import BaseTool
 from langgraph.runtime import Runtime
 from langgraph.types import Command, Send
 
-from fusion_graph.budget import within_budget
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.nodes.dispatch import sends
 from fusion_graph.providers.measure import Sizer
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import State
-from fusion_graph.turn import (
-    continuation_route,
-    last_batch,
-    next_step,
-    pending_calls,
-    step_tally,
-    to_pending,
-)
+from fusion_graph.turn import last_batch, next_route, next_step, pending_calls, step_tally, to_pending
 
 #: Every node ``route`` can send the turn to.
 Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
@@ -81,7 +74,7 @@ class RouteNode:
             return Command(goto="repair")
         chain = await self.sizer.resolver.chain(context)
         sizes = await self.sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
-        decision, signals = continuation_route(
+        decision, signals = next_route(
             state,
             context,
             self.count_tokens,
@@ -91,8 +84,8 @@ class RouteNode:
         )
         if decision.leg == "cloud":  # a step the cloud budget cannot afford runs local
             anchors, log = state.get("anchors") or {}, state.get("route_log", [])
-            why = self.sizer.over_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
-            decision = within_budget(decision, why)
+            check = self.sizer.check_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
+            decision = check.guard(decision)
         update: dict[str, Any] = {"route": to_pending(step, decision, signals, sizes.estimates)}
         if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
             update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))

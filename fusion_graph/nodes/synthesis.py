@@ -20,16 +20,19 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import BaseTool
+from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.providers.ask import ROUTE_EVENT, Bounds, Inference, infer
-from fusion_graph.providers.chain import ChainLink, ProviderRequestError
+from fusion_graph.errors import ProviderRequestError
+from fusion_graph.inputs import thread_id_of
+from fusion_graph.providers.ask import ROUTE_EVENT, Ask, Bounds, ask
 from fusion_graph.providers.measure import Sizer
-from fusion_graph.providers.records import make_record, totals_of
+from fusion_graph.records import totals_of, unanswered_record
 from fusion_graph.routing import Leg, RouteDecision
-from fusion_graph.state import RouteRecord, State
+from fusion_graph.sizing.tokens import build_prompt
+from fusion_graph.state import State
 from fusion_graph.turn import last_ai
 
 #: Name of the instruction message sent with the synthesis call (never stored in the thread).
@@ -49,10 +52,6 @@ def wants_synthesis(state: State, context: FusionContext) -> bool:
         return False
     reply = last_ai(state.get("messages", []))
     return reply is not None and not reply.tool_calls and state.get("leg") == "local"
-
-
-async def _no_slot(link: ChainLink) -> int | None:
-    return None
 
 
 class SynthesisNode:
@@ -79,24 +78,33 @@ class SynthesisNode:
         sizes = await self.sizer.measure(chain, history, anchors, dataclasses.replace(context, mode="cloud"))
         kept = {"draft": draft.text, "draft_id": draft.id}
         why = "no cloud provider in this run's chain" if not cloud.links else None
-        why = why or self.sizer.over_budget(chain, sizes, anchors, log, turn, context)
+        why = why or self.sizer.check_budget(chain, sizes, anchors, log, turn, context).over
         if why is not None:
             return self._skipped(runtime, turn, step, decision, why, kept)
-        call = Inference("synthesis", step, turn, decision, None, history, self.tools, context)
+        call = Ask(
+            kind="synthesis",
+            turn=turn,
+            step=step,
+            decision=decision,
+            prompt=build_prompt(context.system_prompt, history),
+            thread_id=thread_id_of(get_config()),
+            tools=self.tools,
+            extra=kept,
+        )
         bounds = Bounds(
             windows=sizes.windows,
             estimates=sizes.estimates,
             max_tokens={link.id: self.sizer.budget_of(link, sizes, context) for link in cloud.links},
             timeout_s=self.sizer.resolver.settings.request_timeout,
         )
+        placer = self.sizer.resolver.placement
         try:
-            answer, record, exhausted = await infer(
-                call, chain=cloud, find_slot=_no_slot, runtime=runtime, bounds=bounds, extra=kept
-            )
+            asked = await ask(call, chain=cloud, placer=placer, bounds=bounds, writer=runtime.stream_writer)
         except ProviderRequestError as refused:
             return self._skipped(runtime, turn, step, decision, f"cloud refused it: {refused}", kept)
+        answer, record = asked.answer, asked.record
         if answer is None:
-            record["extra"]["skipped"] = f"cloud is down, the local reply stands: {exhausted}"
+            record["extra"]["skipped"] = f"cloud is down, the local reply stands: {asked.exhausted}"
             return {"route_log": [record]}
         if answer.tool_calls or answer.invalid_tool_calls or not answer.text.strip():
             record["extra"]["skipped"] = "the cloud answer was not a reply (tool calls or empty): draft kept"
@@ -119,16 +127,8 @@ class SynthesisNode:
         kept: dict[str, Any],
     ) -> dict[str, Any]:
         """No call made: the record says why, and the local reply stands."""
-        record: RouteRecord = make_record(
-            turn=turn,
-            step=step,
-            kind="synthesis",
-            leg="cloud",
-            decision=decision,
-            signals=None,
-            provider=None,
-            answer=None,
-            extra={**kept, "skipped": why},
+        record = unanswered_record(
+            turn=turn, step=step, kind="synthesis", decision=decision, extra={**kept, "skipped": why}
         )
         runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
         return {"route_log": [record]}

@@ -13,9 +13,15 @@
 - ``inference``: one inference through the chain, recorded
 """
 
-from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
-from fusion_graph.providers.llama_server import ChatLlamaServer, LlamaServerUnavailable
-from fusion_graph.providers.models import Provider, ProviderConfigError
+from fusion_graph.errors import (
+    ChainExhausted,
+    LlamaServerUnavailable,
+    ProviderConfigError,
+    ProviderRequestError,
+)
+from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.providers.models import Provider
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.providers.slots import SlotPool
 

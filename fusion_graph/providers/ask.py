@@ -1,17 +1,24 @@
-"""One inference: build the prompt, call through the provider chain, record the route.
+"""The one provider call: ``ask`` runs an inference through the chain and records it.
 
-Plan, continuation steps and repairs all come through here, so every call is
-recorded the same way: a ``route_log`` entry (who answered, which attempts
-failed before, what it cost at the answering provider's prices), two custom
-stream events (``stream_mode="custom"``: the decision before the call, the
-outcome after it) and leg/score tags and metadata on the model run (visible in
-LangGraph Studio and LangSmith traces). An inference no provider answers still
-gets its record, with every failed attempt.
+Every inference comes through here: the steps (plan, continuation steps,
+repairs), the re-synthesis of a reply, the memory jobs and MCP samples. So
+every call is made and recorded the same way:
 
-Every attempt is bounded: ``request_timeout`` (``asyncio.timeout``, so injected
-models too), a completion budget sent as ``max_tokens``, and the fit rule's
-links (``Bounds``); a response the model cannot parse is a malformed answer
-(a health failure, so the chain falls over), never an uncaught exception.
+- a local link gets the request's ``Placement`` (the slot as ``id_slot`` +
+  ``cache_prompt``, its headers), decided per link actually called by the
+  graph's one ``Placer``, never from whichever provider is "active";
+- every attempt is bounded: ``timeout_s`` (``asyncio.timeout``, so injected
+  models too), a completion budget sent as ``max_tokens``, and the links the
+  fit rule allows (``Bounds``); a response the model cannot parse is a
+  malformed answer (a health failure, so the chain falls over), never an
+  uncaught exception;
+- one ``route_log`` entry (who answered, which attempts failed before, what
+  it cost at the answering provider's prices), also for a call no provider
+  answered (``records.unanswered_record``);
+- where a ``writer`` is given, two custom stream events
+  (``stream_mode="custom"``: the decision before the call, the outcome after),
+  and leg/score tags and metadata on the model run (LangGraph Studio and
+  LangSmith traces show them).
 """
 
 from __future__ import annotations
@@ -19,69 +26,102 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig
-from langchain_core.runnables.config import merge_configs
+from langchain_core.runnables.config import ensure_config, merge_configs
 from langchain_core.tools import BaseTool
 from langchain_openai.chat_models.base import BaseChatOpenAI
-from langgraph.config import get_config
-from langgraph.runtime import Runtime
 from pydantic import ValidationError
 
-from fusion_graph.context import FusionContext
-from fusion_graph.providers.chain import Attempt, ChainExhausted, ChainLink, ProviderChain
-from fusion_graph.providers.health import MalformedAnswer
-from fusion_graph.providers.records import answered_record, make_record
-from fusion_graph.providers.slots import slot_body
+from fusion_graph.errors import ChainExhausted, MalformedAnswer
+from fusion_graph.providers.chain import ChainLink, ChainOutcome, ProviderChain
+from fusion_graph.providers.placement import NOWHERE, Placement, Placer
+from fusion_graph.providers.pricing import price
+from fusion_graph.records import Attempt, RouteRecord, StepKind, attempt_dict, make_record, unanswered_record
 from fusion_graph.routing import RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
-from fusion_graph.sizing.tokens import build_prompt
-from fusion_graph.state import RouteRecord, StepKind
 
 ROUTE_EVENT = "fusion_route"
 
-#: Finds the llama-server slot of this conversation on a link (``None``: not a llama-server).
-SlotFor = Callable[[ChainLink], Awaitable[int | None]]
+#: Sends a custom stream event (``runtime.stream_writer``).
+Writer = Callable[[dict[str, Any]], None]
 
-#: Headers a request to a link carries (the thread's routing key on a local link), or ``None``.
-HeadersFor = Callable[[ChainLink], dict[str, str] | None]
-
-#: Learns which box behind a gateway served the thread; returns the box it moved from, if any.
-ServedBy = Callable[[ChainLink, str], Awaitable[str | None]]
+#: Runs the model call of one attempt on a link at its placement (memory jobs prime their slot first).
+Around = Callable[[ChainLink, Placement, Callable[[], Awaitable[Any]]], Awaitable[Any]]
 
 
-def call_headers(link: ChainLink, headers: HeadersFor | None) -> dict[str, Any]:
-    """``extra_headers`` for an OpenAI-compatible link's call (other models take no headers)."""
-    wanted = headers(link) if headers is not None else None
-    return {"extra_headers": wanted} if wanted and isinstance(link.model, BaseChatOpenAI) else {}
+@dataclass(frozen=True)
+class Bounds:
+    """What bounds each attempt of an inference.
+
+    Attributes:
+        allowed: Ids of the links the call may use (the fit rule's, a budget's); ``None``: every link.
+        windows: Each link's window by id; after a context overflow, only larger ones are tried.
+        estimates: The prompt estimate per leg, recorded next to the server's count.
+        max_tokens: The completion budget sent to each link (``max_tokens``), by id.
+        timeout_s: Seconds an attempt may take (``request_timeout``), injected models included.
+    """
+
+    allowed: frozenset[str] | None = None
+    windows: Mapping[str, int | None] = field(default_factory=dict)
+    estimates: Mapping[str, Estimate] = field(default_factory=dict)
+    max_tokens: Mapping[str, int] = field(default_factory=dict)
+    timeout_s: float | None = None
 
 
-def served_box(answer: Any) -> str | None:
-    """The box a gateway named in its answer (``ChatLlamaServer`` keeps it as ``served_by``)."""
-    metadata = getattr(answer, "response_metadata", None) or {}
-    box = metadata.get("served_by")
-    return box if isinstance(box, str) and box else None
+@dataclass(frozen=True)
+class Ask:
+    """One inference to make: what it is, where it was sent, and what it sends.
+
+    Attributes:
+        kind: What the inference is for (``records.StepKind``).
+        turn: Index of the turn.
+        step: Index of the inference in its turn (a side inference: the step it sits beside).
+        decision: The router's (or the kind's own rule's) decision: the leg it starts on, and why.
+        prompt: The whole prompt, system message first.
+        thread_id: The conversation (its placement on the local leg).
+        tools: Tools bound to the model (their schemas are part of the prompt's prefix).
+        signals: The routing signals of a scored step (``None`` otherwise).
+        prefer_provider: A provider to start at while healthy (a repair's).
+        reflection: Use the reserved reflection slot (memory jobs, samples), not the thread's.
+        kwargs: Model-call arguments for any link (``stop``, ``temperature``).
+        body: Request-body fields for OpenAI-compatible links only (``response_format``, ``tool_choice``).
+        max_tokens: The completion budget where ``Bounds.max_tokens`` does not name the link.
+        config: The run's config (callbacks); ``None``: the one of the run this is called in, if any.
+        tags: More tags for the model run (e.g. ``nostream``).
+        extra: Joins the record's ``extra``.
+        learn_box: Tell the placer which box a gateway answered from (a conversation's requests).
+    """
+
+    kind: StepKind
+    turn: int
+    step: int
+    decision: RouteDecision
+    prompt: Sequence[BaseMessage]
+    thread_id: str
+    tools: Sequence[BaseTool] = ()
+    signals: StepSignals | None = None
+    prefer_provider: str | None = None
+    reflection: bool = False
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    body: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    config: RunnableConfig | None = None
+    tags: Sequence[str] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    learn_box: bool = True
 
 
-def _call_config(kind: StepKind, decision: RouteDecision, step: int, link: ChainLink) -> RunnableConfig:
-    score = decision.score.score if decision.score is not None else None
-    metadata: dict[str, Any] = {
-        "fusion_leg": link.leg,
-        "fusion_routed_leg": decision.leg,
-        "fusion_kind": kind,
-        "fusion_step": step,
-        "fusion_score": score,
-        "fusion_threshold": decision.threshold,
-        "fusion_provider": link.id,
-    }
-    return {
-        "tags": [f"fusion:leg={link.leg}", f"fusion:kind={kind}"],
-        "metadata": metadata,
-        "run_name": f"{kind}:{link.leg}",
-    }
+@dataclass(frozen=True)
+class Asked:
+    """What an inference came to: the answer (``None``: no provider answered), its record, the failure."""
+
+    answer: AIMessage | None
+    record: RouteRecord
+    exhausted: ChainExhausted | None = None
 
 
 #: Each link's model with the graph's tools bound (binding converts every schema, once is enough).
@@ -101,16 +141,61 @@ def bound_model(link: ChainLink, tools: Sequence[BaseTool]) -> Runnable[Any, Any
     return model
 
 
-def decision_event(
-    *, kind: StepKind, step: int, turn: int, decision: RouteDecision, slot: int | None
-) -> dict[str, Any]:
+def served_box(answer: Any) -> str | None:
+    """The box a gateway named in its answer (``ChatLlamaServer`` keeps it as ``served_by``)."""
+    metadata = getattr(answer, "response_metadata", None) or {}
+    box = metadata.get("served_by")
+    return box if isinstance(box, str) and box else None
+
+
+def request_kwargs(link: ChainLink, call: Ask, placement: Placement, bounds: Bounds) -> dict[str, Any]:
+    """The model-call arguments of one attempt on ``link``: budget, slot, body fields, headers."""
+    kwargs: dict[str, Any] = dict(call.kwargs)
+    max_tokens = bounds.max_tokens.get(link.id, call.max_tokens)
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+    openai = isinstance(link.model, BaseChatOpenAI)
+    body = placement.body(link.leg) or {}
+    if openai:
+        body |= call.body
+        if placement.headers:
+            kwargs["extra_headers"] = dict(placement.headers)
+    if body:
+        own = getattr(link.model, "extra_body", None)  # a call's extra_body replaces the model's
+        kwargs["extra_body"] = {**own, **body} if isinstance(own, dict) else body
+    return kwargs
+
+
+def call_config(call: Ask, link: ChainLink) -> RunnableConfig:
+    """The run's config with this call's tags and metadata (leg, kind, step, score, provider)."""
+    decision = call.decision
+    score = decision.score.score if decision.score is not None else None
+    metadata: dict[str, Any] = {
+        "fusion_leg": link.leg,
+        "fusion_routed_leg": decision.leg,
+        "fusion_kind": call.kind,
+        "fusion_step": call.step,
+        "fusion_score": score,
+        "fusion_threshold": decision.threshold,
+        "fusion_provider": link.id,
+    }
+    own: RunnableConfig = {
+        "tags": [f"fusion:leg={link.leg}", f"fusion:kind={call.kind}", *call.tags],
+        "metadata": metadata,
+        "run_name": f"{call.kind}:{link.leg}",
+    }
+    return merge_configs(ensure_config(call.config), own)
+
+
+def decision_event(call: Ask, slot: int | None) -> dict[str, Any]:
     """The ``fusion_route`` event sent before an inference: where it is going and why."""
+    decision = call.decision
     return {
         "event": ROUTE_EVENT,
         "phase": "decision",
-        "turn": turn,
-        "step": step,
-        "kind": kind,
+        "turn": call.turn,
+        "step": call.step,
+        "kind": call.kind,
         "routed_leg": decision.leg,
         "score": decision.score.score if decision.score is not None else None,
         "threshold": decision.threshold,
@@ -119,54 +204,32 @@ def decision_event(
     }
 
 
-@dataclass(frozen=True)
-class Inference:
-    """One inference to run: what it is, where the router sent it, and on what.
+async def _model_call(
+    model: Runnable[Any, Any],
+    prompt: Sequence[BaseMessage],
+    config: RunnableConfig,
+    link: ChainLink,
+    timeout_s: float | None,
+    kwargs: Mapping[str, Any],
+) -> AIMessage:
+    """One model call within ``timeout_s``; a response the model cannot parse is a ``MalformedAnswer``.
 
-    Attributes:
-        kind: Plan, step or repair.
-        step: Index of the inference in its turn.
-        turn: Index of the turn.
-        decision: The router's (or repair rule's) decision, its reason extended by the fit rule.
-        signals: The step's routing signals (``None`` for repairs).
-        messages: The history to send (after the system prompt).
-        tools: Tools bound to the model.
-        context: The run's context.
-        prefer_provider: A provider to start at (repairs).
+    ``kwargs`` go to the model's ``ainvoke``, as ``model.bind(**kwargs)`` would send them.
     """
-
-    kind: StepKind
-    step: int
-    turn: int
-    decision: RouteDecision
-    signals: StepSignals | None
-    messages: Sequence[BaseMessage]
-    tools: Sequence[BaseTool]
-    context: FusionContext
-    prefer_provider: str | None = None
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """What bounds each attempt of an inference.
-
-    Attributes:
-        allowed: Ids of the links whose window can hold the request (``None``: every link).
-        windows: Each link's window by id; after a context overflow, only larger ones are tried.
-        estimates: The prompt estimate per leg, recorded next to the server's count.
-        max_tokens: The completion budget sent to each link (``max_tokens``), by id.
-        timeout_s: Seconds an attempt may take (``request_timeout``), injected models included.
-    """
-
-    allowed: frozenset[str] | None = None
-    windows: Mapping[str, int | None] = field(default_factory=dict)
-    estimates: Mapping[str, Estimate] = field(default_factory=dict)
-    max_tokens: Mapping[str, int] = field(default_factory=dict)
-    timeout_s: float | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            answer = await model.ainvoke(list(prompt), config=config, **kwargs)
+    except TimeoutError as error:
+        raise TimeoutError(f"{link.id} gave no answer within request_timeout={timeout_s:g} s") from error
+    except (IndexError, ValidationError) as error:
+        raise MalformedAnswer(
+            f"{link.id} answered something that is not a chat completion ({type(error).__name__}: {error})"
+        ) from error
+    return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
 
 
 class _Walk:
-    """The links an inference may still try: the fit rule's, and after an overflow only larger ones."""
+    """The links an inference may still try: the bounds' own, and after an overflow only larger ones."""
 
     def __init__(self, bounds: Bounds) -> None:
         self.bounds = bounds
@@ -186,82 +249,53 @@ class _Walk:
         return window is not None and window > self.overflowed
 
 
-async def _ask(
-    model: Runnable[Any, Any],
-    prompt: list[BaseMessage],
-    config: RunnableConfig,
-    link: ChainLink,
-    timeout_s: float | None,
-    kwargs: Mapping[str, Any] | None = None,
-) -> Any:
-    """One model call within ``timeout_s``; a response the model cannot parse is a ``MalformedAnswer``.
-
-    ``kwargs`` go to the model's ``ainvoke``, as ``model.bind(**kwargs)`` would send them.
-    """
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await model.ainvoke(prompt, config=config, **(kwargs or {}))
-    except TimeoutError as error:
-        raise TimeoutError(f"{link.id} gave no answer within request_timeout={timeout_s:g} s") from error
-    except (IndexError, ValidationError) as error:
-        raise MalformedAnswer(
-            f"{link.id} answered something that is not a chat completion ({type(error).__name__}: {error})"
-        ) from error
-
-
-async def infer(
-    call: Inference,
+async def ask(
+    call: Ask,
     *,
     chain: ProviderChain,
-    find_slot: SlotFor,
-    runtime: Runtime[FusionContext],
+    placer: Placer,
     bounds: Bounds | None = None,
-    extra: dict[str, Any] | None = None,
-    headers: HeadersFor | None = None,
-    served: ServedBy | None = None,
-) -> tuple[AIMessage | None, RouteRecord, ChainExhausted | None]:
-    """Run one inference through ``chain``, starting at the routed leg.
+    writer: Writer | None = None,
+    around: Around | None = None,
+) -> Asked:
+    """Make ``call`` through ``chain``, starting at its decision's leg, and record it.
 
     The routed leg is only the preferred starting link: when it fails the
-    chain falls over (possibly to the other leg) and the record says so. Slot
-    fields are sent only to a local llama-server link, decided per link
-    actually called, never from whichever provider is "active". Links outside
-    ``bounds.allowed`` are never tried; a context overflow walks on to a link
-    with a larger window. ``extra`` joins the record's ``extra``. ``headers``
-    go with each call (a local link's routing key); ``served`` learns the box a
-    gateway answered from, which the record keeps (``box``, ``box_moved_from``).
+    chain falls over (possibly to the other leg) and the record says so. Links
+    outside ``bounds.allowed`` are never tried; a context overflow walks on to
+    a link with a larger window. ``writer`` gets the decision and outcome
+    events; ``around`` wraps each model call (a memory job's slot priming).
 
-    Returns:
-        The answer (``None`` when every provider failed), the record, and the
-        chain's ``ChainExhausted`` when every provider failed.
+    Raises:
+        ProviderRequestError: The request itself was refused (it would fail on any provider).
     """
     bounds = bounds or Bounds()
     decision = call.decision
-    # Every inference of a thread sends the same system prompt, so the prefix is stable.
-    prompt = build_prompt(call.context.system_prompt, call.messages)
-    slots: dict[str, int | None] = {}
-    routed = next((link for link in chain.links if link.leg == decision.leg), None)
-    planned_slot = await find_slot(routed) if routed is not None and routed.leg == "local" else None
-    runtime.stream_writer(
-        decision_event(kind=call.kind, step=call.step, turn=call.turn, decision=decision, slot=planned_slot)
-    )
+    placements: dict[str, Placement] = {}
+
+    async def placed(link: ChainLink) -> Placement:
+        if link.leg != "local":
+            return NOWHERE
+        known = placements.get(link.id)
+        if known is None:
+            known = placements[link.id] = await placer.place(link, call.thread_id, reflection=call.reflection)
+        return known
+
+    if writer is not None:
+        routed = next((link for link in chain.links if link.leg == decision.leg), None)
+        planned = await placed(routed) if routed is not None else NOWHERE
+        writer(decision_event(call, planned.slot))
 
     async def invoke(link: ChainLink) -> AIMessage:
+        placement = await placed(link)
+        kwargs = request_kwargs(link, call, placement, bounds)
         model = bound_model(link, call.tools)
-        slot = await find_slot(link) if link.leg == "local" else None
-        body = slot_body(link.leg, slot)
-        kwargs: dict[str, Any] = {}
-        if body is not None:
-            own = getattr(link.model, "extra_body", None)  # a call's extra_body replaces the model's
-            kwargs["extra_body"] = {**own, **body} if isinstance(own, dict) else body
-        if link.id in bounds.max_tokens:
-            kwargs["max_tokens"] = bounds.max_tokens[link.id]
-        kwargs |= call_headers(link, headers)
-        slots[link.id] = slot if body is not None else None
-        config = merge_configs(get_config(), _call_config(call.kind, decision, call.step, link))
-        # The call's arguments go with the call: a binding per call would only copy the config again.
-        answer = await _ask(model, prompt, config, link, bounds.timeout_s, kwargs)
-        return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
+        config = call_config(call, link)
+
+        def once() -> Awaitable[AIMessage]:
+            return _model_call(model, call.prompt, config, link, bounds.timeout_s, kwargs)
+
+        return await (around(link, placement, once) if around is not None else once())
 
     walk = _Walk(bounds)
     try:
@@ -273,35 +307,34 @@ async def infer(
             fits=walk.fits,
         )
     except ChainExhausted as exhausted:
-        record = make_record(
+        record = unanswered_record(
             turn=call.turn,
             step=call.step,
             kind=call.kind,
             decision=decision,
             signals=call.signals,
-            leg=decision.leg,
-            provider=None,
-            answer=None,
-            attempts=[asdict(attempt) for attempt in exhausted.attempts],
-            extra={"outcome": "exhausted", "retry_in_s": exhausted.retry_in_s, **(extra or {})},
+            attempts=exhausted.attempts,
+            extra={"outcome": "exhausted", "retry_in_s": exhausted.retry_in_s, **call.extra},
         )
-        runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
-        return None, record, exhausted
+        if writer is not None:
+            writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
+        return Asked(None, record, exhausted)
     link = outcome.provider
-    sized: dict[str, Any] = {}
+    placement = placements.get(link.id, NOWHERE)
+    extra: dict[str, Any] = dict(placement.notes)
     estimate = bounds.estimates.get(link.leg)
     if estimate is not None:
-        sized = {"estimated_prompt_tokens": estimate.tokens, "estimate_basis": estimate.basis}
+        extra |= {"estimated_prompt_tokens": estimate.tokens, "estimate_basis": estimate.basis}
     if link.id in bounds.windows:
-        sized["window"] = bounds.windows[link.id]
+        extra["window"] = bounds.windows[link.id]
     if link.id in bounds.max_tokens:
-        sized["max_tokens"] = bounds.max_tokens[link.id]
+        extra["max_tokens"] = bounds.max_tokens[link.id]
     box = served_box(outcome.answer)
     if box is not None:
-        sized["box"] = box
-        moved = await served(link, box) if served is not None else None
+        extra["box"] = box
+        moved = await placer.served(link, call.thread_id, box) if call.learn_box else None
         if moved is not None:  # the gateway re-placed the thread: this step ran on a cold cache
-            sized["box_moved_from"] = moved
+            extra["box_moved_from"] = moved
     record = answered_record(
         outcome,
         turn=call.turn,
@@ -309,8 +342,41 @@ async def infer(
         kind=call.kind,
         decision=decision,
         signals=call.signals,
-        slot=slots.get(link.id),
-        extra={**sized, **(extra or {})},
+        slot=placement.slot if placement.body(link.leg) is not None else None,
+        extra={**extra, **call.extra},
     )
-    runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
-    return outcome.answer, record, None
+    if writer is not None:
+        writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
+    return Asked(outcome.answer, record)
+
+
+def answered_record(
+    outcome: ChainOutcome[AIMessage],
+    *,
+    turn: int,
+    step: int,
+    kind: StepKind,
+    decision: RouteDecision,
+    signals: StepSignals | None,
+    slot: int | None,
+    extra: dict[str, Any] | None = None,
+) -> RouteRecord:
+    """The record of an inference the chain got an answer for, priced at the answering provider."""
+    link = outcome.provider
+    record = make_record(
+        turn=turn,
+        step=step,
+        kind=kind,
+        leg=link.leg,
+        decision=decision,
+        signals=signals,
+        provider=link.id,
+        answer=outcome.answer,
+        slot=slot,
+        attempts=[attempt_dict(attempt) for attempt in outcome.attempts],
+        extra={"probe": outcome.probe, "latency_s": round(outcome.latency_s, 4), **(extra or {})},
+    )
+    record["cost_usd"] = price(
+        link.pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]
+    )
+    return record

@@ -32,11 +32,11 @@ from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from fusion_graph.errors import ChainExhausted, ProviderRequestError
 from fusion_graph.providers.health import (
     HEALTH_FAILURES,
     NO_FALLOVER,
     RETRY_IN_PLACE,
-    ErrorClass,
     Health,
     HealthPolicy,
     RetryPolicy,
@@ -46,6 +46,7 @@ from fusion_graph.providers.health import (
 )
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import Pricing, pricing_for
+from fusion_graph.records import Attempt
 from fusion_graph.redact import register_model_secrets, scrub, scrub_content
 from fusion_graph.routing import Leg
 
@@ -128,26 +129,6 @@ class ChainLink:
 
 
 @dataclass(frozen=True)
-class Attempt:
-    """One failed try within a call; ``error`` is the exception's class name.
-
-    ``message`` is the error text scrubbed of secrets (``redact.scrub``), at most 500 characters.
-    ``prompt_tokens``: the request's size as a ``context_overflow`` error reported it.
-    """
-
-    provider: str
-    leg: Leg
-    error: str
-    kind: ErrorClass
-    message: str
-    latency_s: float
-    health_failure: bool
-    probe: bool
-    retry_after_s: float | None = None
-    prompt_tokens: int | None = None
-
-
-@dataclass(frozen=True)
 class ChainOutcome(Generic[T]):
     """A call that got an answer: who gave it, and which attempts failed before it.
 
@@ -166,35 +147,6 @@ class ChainOutcome(Generic[T]):
 def _any_link(link: ChainLink) -> bool:
     """The default ``fits``: every link can hold the request."""
     return True
-
-
-class ChainExhausted(RuntimeError):
-    """Every provider failed or is cooling down; ``attempts`` holds this call's failures.
-
-    Raised ``from None``: the providers' exceptions are not chained, because
-    their text, ``body`` and ``response`` may carry the API key (some gateways
-    echo it in a 401) and a chained cause is printed by every traceback, e.g.
-    the LangGraph server's run-error log. The message and ``attempts`` are the
-    scrubbed summary (class, kind, message, latency of each failure).
-    """
-
-    def __init__(self, message: str, attempts: Sequence[Attempt], retry_in_s: float | None) -> None:
-        super().__init__(message)
-        self.attempts, self.retry_in_s = tuple(attempts), retry_in_s
-
-
-class ProviderRequestError(RuntimeError):
-    """A request no provider could take: the request itself was refused (4xx), or an unexpected error.
-
-    The project's own error in place of the provider's: its text is scrubbed,
-    the failed attempts are in its notes and ``attempts``, and the provider's
-    exception is not chained (it may carry the key; LangGraph stores and serves
-    a run's error). ``error_type`` names the original exception's class.
-    """
-
-    def __init__(self, message: str, attempts: Sequence[Attempt], error_type: str, kind: str) -> None:
-        super().__init__(message)
-        self.attempts, self.error_type, self.kind = tuple(attempts), error_type, kind
 
 
 def _own_error(error: Exception, attempts: Sequence[Attempt]) -> ProviderRequestError:

@@ -15,19 +15,10 @@ from typing import Any, Literal
 
 import openai
 
+from fusion_graph.errors import MalformedAnswer
+from fusion_graph.records import ErrorClass
 from fusion_graph.redact import scrub
 
-ErrorClass = Literal[
-    "rate_limited",
-    "timeout",
-    "connection",
-    "server_error",
-    "misconfigured",
-    "malformed_response",
-    "context_overflow",
-    "bad_request",
-    "other",
-]
 #: Errors that count against a provider (``misconfigured``: 401/403/404, a bad key, model or URL).
 HEALTH_FAILURES: frozenset[ErrorClass] = frozenset(
     {"rate_limited", "timeout", "connection", "server_error", "misconfigured", "malformed_response"}
@@ -47,16 +38,6 @@ _OVERFLOW_HINTS = (
     "context_length_exceeded",
     "maximum context length",
 )
-
-
-class MalformedAnswer(ValueError):
-    """A provider answered with something that is not a usable chat completion.
-
-    Empty ``choices``, a choice without a message, tool-call arguments that are
-    not a JSON string, or an answer the model's own parsing chokes on
-    (``IndexError``, a validation error). Classed ``malformed_response``: a
-    health failure, and the chain falls over.
-    """
 
 
 def context_overflow(error: BaseException) -> bool:

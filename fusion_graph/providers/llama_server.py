@@ -16,6 +16,7 @@ import httpx
 import openai
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 
+from fusion_graph.errors import LlamaServerUnavailable, LocalPoolMismatch, NotLlamaServer  # noqa: F401 - re-exported
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
 
 START_HINT = (
@@ -24,18 +25,10 @@ START_HINT = (
 )
 
 
-class LlamaServerUnavailable(ConnectionError):
-    """llama-server could not be reached; the message names the URL and how to start one."""
-
-
 def server_root(base_url: str) -> str:
     """``http://host:port`` from an OpenAI-style ``.../v1`` base URL."""
     root = base_url.rstrip("/")
     return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
-class NotLlamaServer(ValueError):
-    """The local endpoint answers, but not as llama-server (no ``/props`` with ``total_slots``)."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +45,6 @@ class ServerProps:
     slot_window: int | None
     model: str | None = None
     """The model it serves: its ``--alias``, else the file name of its ``model_path``."""
-
-
-class LocalPoolMismatch(RuntimeError):
-    """The boxes of ``local_workers`` do not serve the same model with the same slots."""
 
 
 def _model_of(props: dict[str, Any]) -> str | None:

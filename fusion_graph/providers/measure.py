@@ -21,20 +21,21 @@ import httpx
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.tools import BaseTool
 
-from fusion_graph.budget import cloud_spend, over_budget
+from fusion_graph.budget import UNLIMITED, BudgetCheck, check_budget
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import ChainExhausted, ContextError
 from fusion_graph.providers.ask import Bounds
-from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain
+from fusion_graph.providers.chain import ChainLink, ProviderChain
 from fusion_graph.providers.llama_server import count_prompt_tokens
 from fusion_graph.providers.pricing import price
 from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.records import RouteRecord
 from fusion_graph.routing import Leg, RouteDecision
-from fusion_graph.settings import ContextError
 from fusion_graph.sizing.compaction import Compaction, compact
 from fusion_graph.sizing.estimate import Estimate, fingerprint, leg_estimate, new_anchor
 from fusion_graph.sizing.fit import FitPlan, LinkRoom, completion_budget, conversation_budget, plan_fit
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt, tool_schemas
-from fusion_graph.state import PromptAnchor, RouteRecord
+from fusion_graph.state import PromptAnchor
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class Sizer:
         cached = min(anchor["prompt_tokens"], estimate.tokens) if anchor is not None else 0
         return price(link.pricing, estimate.tokens, cached, self.budget_of(link, sizes, context))
 
-    def over_budget(
+    def check_budget(
         self,
         chain: ProviderChain,
         sizes: StepSizes,
@@ -285,13 +286,12 @@ class Sizer:
         route_log: Sequence[RouteRecord],
         turn: int,
         context: FusionContext,
-    ) -> str | None:
-        """Why this step may not run on cloud (its budget), or ``None`` when it may (or none is set)."""
+    ) -> BudgetCheck:
+        """The budget guard (``budget.check_budget``) for this step, priced by ``cloud_cost``."""
         budget = self.resolver.cloud_budget(context)
         if not budget.limited:
-            return None
-        cost = self.cloud_cost(chain, sizes, anchors, context)
-        return over_budget(budget, cloud_spend(route_log, turn), cost)
+            return UNLIMITED
+        return check_budget(budget, route_log, turn, self.cloud_cost(chain, sizes, anchors, context))
 
     def bounds(self, chain: ProviderChain, prepared: Prepared, context: FusionContext) -> Bounds:
         """What bounds each attempt of the prepared step: links, windows, budgets, time."""

@@ -14,6 +14,7 @@ from typing import Any
 from langchain_core.language_models import BaseChatModel
 from langchain_openai import ChatOpenAI
 
+from fusion_graph.errors import ProviderConfigError
 from fusion_graph.providers.http import loop_safe_client
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
@@ -23,10 +24,6 @@ from fusion_graph.settings import FusionSettings
 
 #: llama-server ignores the key, but the OpenAI client insists on one.
 LOCAL_API_KEY = "sk-no-key-required"
-
-
-class ProviderConfigError(ValueError):
-    """A provider cannot be built from the context; the message names the fix."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_openai import ChatOpenAI
 from pydantic import ValidationError
 
-from fusion_graph.providers.health import MalformedAnswer
+from fusion_graph.errors import MalformedAnswer
 
 
 def _non_object(arguments: Any) -> str | None:

@@ -31,8 +31,8 @@ from genai_prices.data_snapshot import find_provider_by_id, get_snapshot
 from genai_prices.types import TieredPrices
 
 from fusion_graph.providers.models import Provider, model_name
+from fusion_graph.records import RouteRecord
 from fusion_graph.routing import Leg
-from fusion_graph.state import RouteRecord
 
 MILLION = 1_000_000
 

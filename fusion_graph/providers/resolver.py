@@ -5,8 +5,9 @@ The graph owns one ``ProviderResolver``, built from the operator's
 Links (a provider with its pricing) are built once per distinct setting and
 shared by every chain that uses them, so a run that picks another allowed
 cloud model never closes a provider another chain or an in-flight step still
-uses; ``aclose`` closes each link exactly once. It also keeps the llama-server slot pools, which must
-outlive single runs so live threads keep their slots.
+uses; ``aclose`` closes each link exactly once. It also holds what the local
+servers said about themselves (``discovery.LocalServers``) and the placement of
+local requests (``placement``), both of which outlive single runs.
 """
 
 from __future__ import annotations
@@ -21,26 +22,19 @@ from langchain_core.language_models import BaseChatModel
 
 from fusion_graph.budget import CloudBudget, cloud_budget
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import ContextError
 from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.discovery import LocalServers
 from fusion_graph.providers.health import HealthPolicy
-from fusion_graph.providers.llama_server import (
-    LlamaServerUnavailable,
-    LocalPoolMismatch,
-    NotLlamaServer,
-    ServerProps,
-    fetch_props,
-)
+from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.models import Provider, build_cloud_model, build_local_model, model_name
+from fusion_graph.providers.placement import InProcessPlacement, Placer
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
-from fusion_graph.providers.slots import BoxSlots, SlotPool, routing_key
+from fusion_graph.providers.slots import BoxSlots, SlotPool
 from fusion_graph.routing import Leg
-from fusion_graph.settings import ContextError, FusionSettings
+from fusion_graph.settings import FusionSettings
 
 logger = logging.getLogger(__name__)
-
-#: The cloud window when neither the operator nor the model's profile says (most current cloud
-#: chat models hold at least this much).
-DEFAULT_CLOUD_WINDOW = 128_000
 
 
 @dataclass(frozen=True)
@@ -103,14 +97,16 @@ class ProviderResolver:
         self._chains: dict[tuple[Any, ...], ProviderChain] = {}
         # The operator settings are fixed, so a run's narrowing alone decides its chain.
         self._by_context: dict[tuple[str | None, str | None, tuple[Leg, ...] | None], ProviderChain] = {}
-        self._pools: dict[tuple[str, int, bool], SlotPool | BoxSlots] = {}
         self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary()
         )
         self._closed = False
-        self._not_llama: set[str] = set()
-        self._props: dict[str, ServerProps] = {}
-        self._count_url: str | None = None
+        #: What the local servers say about themselves (slots, windows).
+        self.servers = LocalServers(self.settings, injected_local=local is not None)
+        #: This process's slot table; the fallback of a shared placement.
+        self.local_slots = InProcessPlacement(self.settings, self.servers.props, gateway=self.servers.gateway)
+        #: Where every local request goes (``Placer``): this process's slot table unless shared.
+        self.placement: Placer = self.local_slots
 
     def check_bounds(self, context: FusionContext) -> None:
         """Refuse a run context past the operator's size bounds (``ContextError``): the system prompt."""
@@ -224,151 +220,25 @@ class ProviderResolver:
     @property
     def pooled(self) -> bool:
         """Whether the local endpoint is a gateway over the boxes of ``local_workers``."""
-        return bool(self.settings.local_workers)
-
-    async def _pool_props(self) -> ServerProps | None:
-        """``/props`` of the boxes behind the gateway, which must agree; ``None`` when none answers.
-
-        Raises:
-            LocalPoolMismatch: Two boxes serve different models or slot counts, or one is not
-                llama-server.
-        """
-        timeout = min(self.settings.request_timeout, 10.0)
-        seen: list[tuple[str, ServerProps]] = []
-        for url in self.settings.local_workers:
-            try:
-                props = await fetch_props(url, timeout=timeout)
-            except NotLlamaServer as error:
-                raise LocalPoolMismatch(f"local_workers: {error}") from None
-            except LlamaServerUnavailable as error:
-                logger.warning("local worker not reachable, read from the others: %s", error)
-                continue
-            seen.append((url, props))
-        if not seen:
-            return None
-        first_url, first = seen[0]
-        for url, props in seen[1:]:
-            if (props.model, props.total_slots, props.slot_window) != (
-                first.model,
-                first.total_slots,
-                first.slot_window,
-            ):
-                raise LocalPoolMismatch(
-                    "the boxes of local_workers must serve the same model with the same -np and -c: "
-                    f"{first_url} serves {first.model!r} with {first.total_slots} slots of "
-                    f"{first.slot_window} tokens, {url} serves {props.model!r} with "
-                    f"{props.total_slots} slots of {props.slot_window} tokens"
-                )
-        self._count_url = first_url
-        return first
-
-    def count_url(self, link: ChainLink) -> str | None:
-        """Where a local link's prompts are counted (``/tokenize``): a box behind a gateway, else the link."""
-        if link.leg == "local" and self.pooled:
-            return self._count_url or self.settings.local_workers[0]
-        return link.as_provider().base_url
+        return self.servers.pooled
 
     async def server_props(self, link: ChainLink) -> ServerProps | None:
-        """What a local llama-server link's server says about itself (``GET /props``), asked once.
-
-        ``None`` for a cloud link, a local server that is not llama-server (logged
-        once; it then runs without slot affinity) and one that cannot be reached
-        now (asked again next time; the call itself will then fail over, or
-        succeed if the server is back). Behind a gateway (``local_workers``), the
-        boxes are asked and must agree (``LocalPoolMismatch`` otherwise).
-        """
-        url = link.as_provider().base_url
-        if link.leg != "local" or url is None or url in self._not_llama:
-            return None
-        if self.pooled and self._injected["local"] is None:
-            known = self._props.get(url)
-            if known is None:
-                pooled = await self._pool_props()
-                if pooled is None:
-                    return None
-                known = self._props[url] = pooled
-            return known
-        known = self._props.get(url)
-        if known is not None:
-            return known
-        try:
-            props = await fetch_props(url, timeout=min(self.settings.request_timeout, 10.0))
-        except NotLlamaServer as error:
-            logger.warning("%s; its slots and window are not known (set FUSION_LOCAL_SLOTS)", error)
-            self._not_llama.add(url)
-            return None
-        except LlamaServerUnavailable as error:
-            logger.warning("no slot or window for this call: %s", error)
-            return None
-        self._props[url] = props
-        return props
+        """What a local llama-server link's server says about itself (``LocalServers.props``)."""
+        return await self.servers.props(link)
 
     async def window(self, link: ChainLink) -> int | None:
-        """Tokens ``link`` holds per request (prompt + completion); ``None`` when unknown.
+        """Tokens ``link`` holds per request (``LocalServers.window``)."""
+        return await self.servers.window(link)
 
-        In order: the link's own ``window``; the operator's ``local_window_tokens`` /
-        ``cloud_window_tokens``; llama-server's per-slot context (``GET /props``, asked
-        once per server); ``max_input_tokens`` of the model's langchain-core profile;
-        for the cloud leg ``DEFAULT_CLOUD_WINDOW``. A local server that is none of
-        these has no known window (every step is assumed to fit it).
-        """
-        if link.window is not None:
-            return link.window
-        setting = (
-            self.settings.local_window_tokens if link.leg == "local" else self.settings.cloud_window_tokens
-        )
-        if setting:
-            return setting
-        props = await self.server_props(link)
-        if props is not None and props.slot_window is not None:
-            return props.slot_window
-        profile = link.model.profile or {}
-        limit = profile.get("max_input_tokens")
-        if isinstance(limit, int) and limit > 0:
-            return limit
-        return DEFAULT_CLOUD_WINDOW if link.leg == "cloud" else None
+    def count_url(self, link: ChainLink) -> str | None:
+        """Where a local link's prompts are counted (``LocalServers.count_url``)."""
+        return self.servers.count_url(link)
 
-    async def slot_pool(self, link: ChainLink, context: FusionContext) -> SlotPool | BoxSlots | None:
-        """The slot pool of a local llama-server link, or ``None`` for anything else.
-
-        The slot count is ``local_slots`` when set, else the server's own
-        ``total_slots`` (``server_props``, asked once per base URL); behind a
-        gateway (``local_workers``) it is per box, and the pool is a ``BoxSlots``. Without
-        ``local_slots``, a local server that is not llama-server (no ``/props``)
-        runs without slot affinity and one that cannot be reached gets no slot
-        for this call.
-        """
-        settings = self.settings
-        url = link.as_provider().base_url
-        total = settings.local_slots  # the operator's count wins, whatever /props says
-        if link.leg != "local" or url is None or (url in self._not_llama and not total):
-            return None
-        reserve = settings.reserve_reflection_slot
-        if not total:
-            props = await self.server_props(link)
-            if props is None:
-                return None
-            total = props.total_slots
-        key = (url, total, reserve)
-        if key not in self._pools:
-            if self.pooled and self._injected["local"] is None:
-                boxes = self.settings.local_workers
-                self._pools[key] = BoxSlots(total, boxes=boxes, reserve_reflection=reserve)
-            else:
-                self._pools[key] = SlotPool(total, reserve_reflection=reserve)
-        return self._pools[key]
-
-    async def served(self, link: ChainLink, context: FusionContext, thread_id: str, box: str) -> str | None:
-        """Learn the box a gateway served ``thread_id`` from; returns the box it moved from, if it moved."""
-        pool = await self.slot_pool(link, context)
-        return pool.served(thread_id, box) if isinstance(pool, BoxSlots) else None
-
-    def local_headers(self, link: ChainLink, thread_id: str) -> dict[str, str] | None:
-        """Headers of a local request of ``thread_id``: its routing key (``local_routing_header``)."""
-        header = self.settings.local_routing_header
-        if link.leg != "local" or not header:
-            return None
-        return {header: routing_key(thread_id)}
+    async def slot_pool(
+        self, link: ChainLink, context: FusionContext | None = None
+    ) -> SlotPool | BoxSlots | None:
+        """The slot pool of a local llama-server link in this process (``InProcessPlacement.pool``)."""
+        return await self.local_slots.pool(link)
 
     async def aclose(self) -> None:
         """Close every chain and every link (each exactly once); later runs are refused."""

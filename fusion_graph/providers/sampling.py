@@ -30,33 +30,28 @@ building or calling a callback needs it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
-from langchain_core.runnables import RunnableConfig
-from langchain_core.runnables.config import ensure_config, merge_configs
 from langgraph.constants import TAG_NOSTREAM
-from pydantic import ValidationError
 
-from fusion_graph.budget import cloud_spend, over_budget, within_budget
+from fusion_graph.budget import UNLIMITED, BudgetCheck, check_budget
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
-from fusion_graph.providers.health import MalformedAnswer
+from fusion_graph.errors import ProviderRequestError
+from fusion_graph.providers.ask import Ask, Bounds, ask
+from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.pricing import price
-from fusion_graph.providers.records import answered_record, make_record
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.providers.slots import slot_body
+from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.sizing.tokens import approximate_tokens
-from fusion_graph.state import RouteRecord
 
 if TYPE_CHECKING:
     from mcp.client.session import ClientSession
@@ -243,16 +238,6 @@ def require_mcp() -> None:
         raise ImportError(MCP_EXTRA_HINT) from error
 
 
-def _call_config(link: ChainLink, decision: RouteDecision) -> RunnableConfig:
-    """Tags and metadata of the model run; ``nostream`` keeps the sample out of the messages stream."""
-    metadata = {"fusion_kind": "sampling", "fusion_leg": link.leg, "fusion_routed_leg": decision.leg}
-    return {
-        "tags": [f"fusion:leg={link.leg}", "fusion:kind=sampling", TAG_NOSTREAM],
-        "metadata": {**metadata, "fusion_provider": link.id},
-        "run_name": f"sampling:{link.leg}",
-    }
-
-
 def _run_context() -> Any:
     """The graph run's context when this runs inside one (``None`` outside)."""
     try:
@@ -326,32 +311,6 @@ class SamplingCallback:
         chain = await self.resolver.chain(context)
         prompt = sampling_prompt(params)
         kwargs = sampling_kwargs(params, context)
-        timeout_s = self.resolver.settings.request_timeout
-        slots: dict[str, int | None] = {}
-
-        async def invoke(link: ChainLink) -> AIMessage:
-            pool = await self.resolver.slot_pool(link, context) if link.leg == "local" else None
-            body = slot_body(link.leg, pool.reflection_slot if pool is not None else None)
-            slots[link.id] = body["id_slot"] if body is not None else None
-            call = dict(kwargs)
-            if body is not None:
-                own = getattr(link.model, "extra_body", None)  # a call's extra_body replaces the model's
-                call["extra_body"] = {**own, **body} if isinstance(own, dict) else body
-            config = merge_configs(ensure_config(), _call_config(link, decision))
-            try:
-                async with asyncio.timeout(timeout_s):
-                    answer = await link.model.ainvoke(prompt, config=config, **call)
-            except TimeoutError as error:
-                raise TimeoutError(
-                    f"{link.id} gave no answer within request_timeout={timeout_s:g} s"
-                ) from error
-            except (IndexError, ValidationError) as error:
-                raise MalformedAnswer(
-                    f"{link.id} answered something that is not a chat completion "
-                    f"({type(error).__name__}: {error})"
-                ) from error
-            return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
-
         thread = scope.thread_id if scope is not None else (_run_thread() or OUTSIDE_THREAD)
         turn, step = (scope.turn, scope.step) if scope is not None else (0, 0)
         extra: dict[str, Any] = {
@@ -360,60 +319,67 @@ class SamplingCallback:
             "max_tokens": kwargs["max_tokens"],
             "requested_max_tokens": params.maxTokens,
         }
-        over = self._over_budget(chain, prompt, kwargs["max_tokens"], context, scope)
-        if over is not None:  # cloud only within the run's budget: not as the start, not as a fallover
-            decision = within_budget(decision, over)
-            leg, extra["cloud_budget"] = decision.leg, over
+        check = self._check_budget(chain, prompt, kwargs["max_tokens"], context, scope)
+        if check.over is not None:  # cloud only within the run's budget: not as the start, not as a fallover
+            decision = check.guard(decision)
+            extra["cloud_budget"] = check.over
             local_only: tuple[Leg, ...] = ("local",)
             chain = chain.only(local_only)
+        call = Ask(
+            kind="sampling",
+            turn=turn,
+            step=step,
+            decision=decision,
+            prompt=prompt,
+            thread_id=thread,
+            reflection=True,  # the memory jobs' slot: a sample never evicts a conversation's cache
+            kwargs=kwargs,
+            tags=(TAG_NOSTREAM,),  # not a step of the run: kept out of its messages stream
+            extra=extra,
+            learn_box=False,
+        )
+        timeout_s = self.resolver.settings.request_timeout
         try:
-            outcome = await chain.call(invoke, preferred_leg=leg)
-        except (ChainExhausted, ProviderRequestError) as error:  # their texts are already scrubbed
-            failed = scrub(f"{type(error).__name__}: {error}")
-            record = make_record(
+            asked = await ask(
+                call, chain=chain, placer=self.resolver.placement, bounds=Bounds(timeout_s=timeout_s)
+            )
+            failure: Exception | None = asked.exhausted
+        except ProviderRequestError as refused:  # its text is already scrubbed
+            asked, failure = None, refused
+        if asked is None or asked.answer is None:
+            assert failure is not None
+            failed = scrub(f"{type(failure).__name__}: {failure}")
+            record = unanswered_record(
                 turn=turn,
                 step=step,
                 kind="sampling",
-                leg=leg,
                 decision=decision,
-                signals=None,
-                provider=None,
-                answer=None,
-                attempts=[asdict(attempt) for attempt in error.attempts],
+                attempts=getattr(failure, "attempts", ()),
                 extra={**extra, "outcome": "failed", "error": failed[:500]},
             )
             self._keep(record, scope)
             message = f"no provider answered the sampling request: {failed}"
             return types.ErrorData(code=types.INTERNAL_ERROR, message=message)
-        answer, link = outcome.answer, outcome.provider
+        answer, record = asked.answer, asked.record
         reason_of_stop = stop_reason(answer, kwargs.get("stop"))
-        record = answered_record(
-            outcome,
-            turn=turn,
-            step=step,
-            kind="sampling",
-            decision=decision,
-            signals=None,
-            slot=slots.get(link.id),
-            extra={**extra, "stop_reason": reason_of_stop},
-        )
+        record["extra"]["stop_reason"] = reason_of_stop
         self._keep(record, scope)
         return types.CreateMessageResult(
             role="assistant",
             content=types.TextContent(type="text", text=answer.text),
-            model=link.id,
+            model=str(record["provider"]),
             stopReason=reason_of_stop,
         )
 
-    def _over_budget(
+    def _check_budget(
         self,
         chain: ProviderChain,
         prompt: Sequence[BaseMessage],
         max_tokens: int,
         context: FusionContext,
         scope: SamplingScope | None,
-    ) -> str | None:
-        """Why cloud may not answer this request under the run's cloud budget (``None``: it may).
+    ) -> BudgetCheck:
+        """The budget guard for this request under the run's cloud budget.
 
         Priced like a step: the prompt's estimate and the whole ``max_tokens`` at the
         first cloud link's prices, against the thread's spend (its route log and the
@@ -422,10 +388,10 @@ class SamplingCallback:
         budget = self.resolver.cloud_budget(context)
         cloud = next((link for link in chain.links if link.leg == "cloud"), None)
         if not budget.limited or cloud is None:
-            return None
+            return UNLIMITED
         estimate = price(cloud.pricing, approximate_tokens(list(prompt)), 0, max_tokens)
         log = [*scope.route_log, *scope.records] if scope is not None else []
-        return over_budget(budget, cloud_spend(log, scope.turn if scope is not None else 0), estimate)
+        return check_budget(budget, log, scope.turn if scope is not None else 0, estimate)
 
     def _keep(self, record: RouteRecord, scope: SamplingScope | None) -> None:
         self.records.append(record)

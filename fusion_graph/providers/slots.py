@@ -23,9 +23,6 @@ import hashlib
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from typing import Any
-
-from fusion_graph.routing import Leg
 
 
 class SlotPool:
@@ -234,15 +231,3 @@ class BoxSlots:
             pool = self._boxes.get(box) if box is not None else None
         if pool is not None:
             pool.release(thread_id)
-
-
-def slot_body(leg: Leg, slot: int | None) -> dict[str, Any] | None:
-    """Extra request-body fields for a step routed to ``leg``.
-
-    Local steps pin their slot and ask for prompt caching; cloud steps carry
-    neither (a cloud API would reject or ignore them). The leg is the one the
-    router chose for *this* step, never whichever provider is "active".
-    """
-    if leg != "local" or slot is None:
-        return None
-    return {"id_slot": slot, "cache_prompt": True}

@@ -53,6 +53,7 @@ from typing import Literal
 from langchain_core.messages import BaseMessage
 
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.history import ReplayedStep, route_history
 from fusion_graph.routing import (
     QUANTILE_TABLE_LENGTH,
@@ -79,10 +80,6 @@ TARGET_TOLERANCE = 0.05
 TargetOf = Literal["continuation", "all", "cost"]
 """What a target is a fraction of: continuation steps on cloud, all steps on cloud, or cost."""
 TARGET_KINDS: tuple[TargetOf, ...] = ("continuation", "all", "cost")
-
-
-class CalibrationError(ValueError):
-    """The calibration set cannot support the request (e.g. no continuation steps)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Replay a recorded conversation through the router, exactly as the graph would route it.
 
 Benchmarks, calibration and notebooks call this instead of re-implementing the
-loop: it drives the graph's own ``plan_route``/``continuation_route`` with the
+loop: it drives the graph's own ``turn.next_route`` and budget guard with the
 state the graph would hold before each assistant message.
 """
 
@@ -15,15 +15,15 @@ from typing import cast
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
 from langchain_core.tools import BaseTool
 
-from fusion_graph.budget import cloud_budget, cloud_spend, over_budget, within_budget
+from fusion_graph.budget import check_budget, cloud_budget
 from fusion_graph.context import FusionContext
-from fusion_graph.providers.records import make_record
+from fusion_graph.records import RouteRecord, StepKind, make_record
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
-from fusion_graph.state import RouteRecord, State, StepKind, StepTally
+from fusion_graph.state import State, StepTally
 from fusion_graph.tools.batch import batch_notice
-from fusion_graph.turn import continuation_route, plan_route, step_tally, turn_start
+from fusion_graph.turn import next_route, step_tally, turn_start
 
 
 @dataclass(frozen=True)
@@ -114,15 +114,15 @@ def route_history(
             state["step_tally"] = tally
         if step == 0:
             turn += 1
-            decision, signals = plan_route(state, context, count_tokens, budget=budget, tools=tools)
-        else:
-            if leg is not None:
-                state["leg"] = leg
-            decision, signals = continuation_route(state, context, count_tokens, budget=budget, tools=tools)
+        elif leg is not None:
+            state["leg"] = leg
+        decision, signals = next_route(
+            state, context, count_tokens, plan=step == 0, budget=budget, tools=tools
+        )
         cost: float | None = None
         if cloud_cost is not None and limit.limited and decision.leg == "cloud":
             estimate = cloud_cost(signals.prompt_tokens, context.max_completion_tokens)
-            decision = within_budget(decision, over_budget(limit, cloud_spend(route_log, turn), estimate))
+            decision = check_budget(limit, route_log, turn, estimate).guard(decision)
         if cloud_cost is not None and decision.leg == "cloud":
             cost = cloud_cost(signals.prompt_tokens, count_tokens([message]))
         leg = decision.leg

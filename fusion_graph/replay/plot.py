@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import PlotUnavailable
 from fusion_graph.replay.calibration import Calibration, Shares, TargetOf, scored_steps, sweep
 from fusion_graph.replay.traces import ReplayedTrajectory, is_paced
 from fusion_graph.routing import cloud_threshold, hysteresis_band
@@ -38,10 +39,6 @@ MAX_COLUMNS = 4
 #: Size of one timeline panel, inches.
 PANEL_SIZE = (4.6, 2.5)
 PLANS_NOTE = "plans (step 0 of each turn) run on cloud whenever cloud_share > 0"
-
-
-class PlotUnavailable(RuntimeError):
-    """matplotlib is not installed; the message says how to install it."""
 
 
 def _figure(rows: int, columns: int, size: tuple[float, float]) -> Figure:

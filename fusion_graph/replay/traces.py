@@ -22,6 +22,7 @@ from langchain_core.messages import AIMessage, BaseMessage, convert_to_messages
 
 from fusion_graph.budget import CloudBudget, CloudSpend, cloud_budget, over_budget
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import TraceError
 from fusion_graph.providers.pricing import TokenPrices, default_pricing, unit_prices
 from fusion_graph.replay.history import ReplayedStep, route_history
 from fusion_graph.routing import RouteDecision
@@ -75,10 +76,6 @@ def shared_traces(environ: Mapping[str, str] | None = None, *, start: Path | Non
             f"Point {TRACES_ENV} at a directory of OpenAI-format JSONL traces."
         )
     return path
-
-
-class TraceError(ValueError):
-    """A trace path is missing or a record is malformed; the message names the file and line."""
 
 
 @dataclass(frozen=True)
@@ -339,17 +336,6 @@ def _ratio(part: float | None, whole: float | None) -> float | None:
     return round(part / whole, 4) if part is not None and whole else None
 
 
-#: In a decision's reason, the text ``budget.within_budget`` adds when a budget moved a cloud step local:
-#: ``"...; thread budget $0.05: $0.048 spent, step ~$0.004: local"``.
-BUDGET_MARK = " budget $"
-BUDGET_LOCAL_END = ": local"
-
-
-def is_budget_local(reason: str) -> bool:
-    """Whether a route's reason says a cloud budget moved the step local."""
-    return BUDGET_MARK in reason and reason.endswith(BUDGET_LOCAL_END)
-
-
 def replay_budget(replay: ReplayedTrajectory) -> CloudBudget:
     """The cloud budget that applied to a replay (none unless it was priced while routing)."""
     context = replay.context
@@ -511,7 +497,7 @@ def summarize(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> dict
             steps += 1
             cloud_steps += item.leg == "cloud"
             paced += is_paced(decision)
-            budget_local = is_budget_local(decision.reason)
+            budget_local = decision.budget is not None
             own_moved += budget_local
             moved_plans += budget_local and item.step == 0
             if item.step > 0:

@@ -31,6 +31,7 @@ from typing import BinaryIO
 
 from langchain_core.tools import ToolException
 
+from fusion_graph.errors import FusionError
 from fusion_graph.paths import lexical_parts
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -41,8 +42,8 @@ TEMP_PREFIX = ".fusion-edit-"
 _BOM = codecs.BOM_UTF8
 
 
-class WorkspaceError(ToolException):
-    """A path or edit the workspace tools refuse; the message says why."""
+class WorkspaceError(FusionError, ToolException):
+    """A path or edit the workspace tools refuse; the message says why (``fusion_graph.errors``)."""
 
 
 @dataclass(frozen=True)

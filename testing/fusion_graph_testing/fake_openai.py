@@ -4,7 +4,8 @@ A real server cannot produce a 429 with ``Retry-After``, a 500, a hang or a
 malformed body on demand; this one can. It speaks just enough of
 ``POST /v1/chat/completions`` (plain and ``stream: true``) for ``ChatOpenAI``,
 records every request body, and answers from a script of ``Reply`` items
-(the last one repeats).
+(the last one repeats). A reply can also be held open until the test lets it go
+(``Reply.hold``), to crash or cancel whoever is waiting on it mid-call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
+
+#: Longest a held reply waits for its event (s): a forgotten hold frees the handler thread eventually.
+HOLD_LIMIT_S = 600.0
 
 
 @dataclass
@@ -32,6 +36,9 @@ class Reply:
         raw: Send these bytes as the body verbatim (malformed JSON).
         prompt_tokens: Reported ``usage.prompt_tokens`` (default: a word count of the request).
         cached_tokens: Reported ``usage.prompt_tokens_details.cached_tokens``.
+        hold: Answer only once this event is set (at most ``HOLD_LIMIT_S``): a response held
+            open for as long as the test needs, unlike a fixed ``delay``. The request is
+            recorded in ``requests`` before the hold, so a test can wait for it to arrive.
     """
 
     content: str = "ok"
@@ -42,6 +49,7 @@ class Reply:
     raw: bytes | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    hold: threading.Event | None = None
 
 
 def _count_words(body: dict[str, Any]) -> int:
@@ -112,6 +120,8 @@ class FakeOpenAI:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 reply = fake._next(body, dict(self.headers.items()))
+                if reply.hold is not None:
+                    reply.hold.wait(HOLD_LIMIT_S)  # outside the fake's lock: other requests go on
                 if reply.delay:
                     time.sleep(reply.delay)
                 if reply.raw is not None:

@@ -1,7 +1,9 @@
 """One loopback server process a test starts: launched with its log, stopped by its own PID.
 
-``LlamaServer`` and ``Gateway`` share this lifecycle; each says how it starts
-(``start``: a free port, then its own readiness check) and what it runs (``args``).
+``LlamaServer``, ``Gateway``, ``RedisServer`` and ``LangGraphWorker`` share this
+lifecycle; each says how it starts (``start``: a free port, then its own readiness
+check), what it runs (``args``) and, where it needs them, its environment and
+working directory (``launch_env``, ``launch_cwd``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -28,6 +31,14 @@ class ManagedProcess:
         """Launch and wait until ready."""
         raise NotImplementedError
 
+    def launch_env(self) -> Mapping[str, str] | None:
+        """The process's whole environment; None (the default) inherits this interpreter's."""
+        return None
+
+    def launch_cwd(self) -> Path | None:
+        """The process's working directory; None (the default) is this interpreter's."""
+        return None
+
     @property
     def pid(self) -> int | None:
         """PID of the running process, None when not started."""
@@ -42,8 +53,11 @@ class ManagedProcess:
         with self.log_path.open("ab") as log:
             log.write(f"$ {' '.join(self.args())}\n".encode())
             log.flush()
+            env = self.launch_env()
             self._proc = subprocess.Popen(
                 self.args(),
+                env=dict(env) if env is not None else None,
+                cwd=self.launch_cwd(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -69,6 +83,21 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=timeout)
+
+    def kill(self, timeout: float = 10.0) -> int | None:
+        """Kills the process with SIGKILL, as a crash or the OOM killer would; returns its exit code.
+
+        No shutdown handler runs: what the process held (a run, a lock, a
+        heartbeat) is left for others to notice. Only ever signals the PID this
+        object started; None when it was not running.
+        """
+        atexit.unregister(self.stop)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        return proc.wait(timeout=timeout)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -12,7 +12,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from fusion_graph import ChainExhausted, FusionContext, FusionSettings, build_graph
 from fusion_graph.budget import CloudBudget, CloudSpend, cloud_budget, cloud_spend, over_budget
 from fusion_graph.providers.llama_server import ChatLlamaServer
-from fusion_graph.state import RouteRecord
+from fusion_graph.records import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from fusion_graph import prompts
 from fusion_graph.agent import build_graph
 from fusion_graph.context import DEFAULTS, ENV_KEYS, FusionContext, context_fields, ensure_context
-from fusion_graph.settings import ContextError, FusionSettings
+from fusion_graph.errors import ContextError
+from fusion_graph.settings import FusionSettings
 from tests.plugins.fakes import scripted, user_input
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -17,7 +17,7 @@ from fusion_graph.agent import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.routing import Leg, Mode
 from fusion_graph.state import State
-from fusion_graph.turn import continuation_route
+from fusion_graph.turn import next_route
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, check_two_turns, scripted, user_input
 
 TASK = "please do the task"
@@ -115,7 +115,7 @@ async def test_malformed_call_from_local_is_repaired_locally_even_when_score_say
 
     assert legs(out) == [("plan", "cloud"), ("step", "local"), ("repair", "local")]
     # Premise: scored normally, this step would have escalated to cloud.
-    premise, _ = continuation_route(state_before_last_inference(out, step=1, leg="local"), context)
+    premise, _ = next_route(state_before_last_inference(out, step=1, leg="local"), context)
     assert premise.leg == "cloud"
     repair = out["route_log"][2]
     assert (repair["score"], repair["threshold"], repair["breakdown"]) == (None, None, None)
@@ -132,7 +132,7 @@ async def test_malformed_call_from_cloud_is_repaired_on_cloud_even_when_score_sa
     out = await graph.ainvoke(user_input(TASK), context=FusionContext(system_prompt=BRIEF))
 
     assert legs(out) == [("plan", "cloud"), ("repair", "cloud")]
-    premise, _ = continuation_route(state_before_last_inference(out, step=0, leg="cloud"), FusionContext())
+    premise, _ = next_route(state_before_last_inference(out, step=0, leg="cloud"), FusionContext())
     assert premise.leg == "local"
     assert "kept on the cloud leg" in out["route_log"][1]["reason"]
     assert local.prompts == []

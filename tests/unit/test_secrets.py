@@ -31,9 +31,11 @@ from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from langgraph.store.sqlite.aio import AsyncSqliteStore
 
 from fusion_graph import FusionContext, build_graph, memory
+from fusion_graph.errors import ChainExhausted, ProviderRequestError
 from fusion_graph.providers import ProviderResolver
-from fusion_graph.providers.chain import ChainExhausted, ChainLink, ProviderChain, ProviderRequestError
+from fusion_graph.providers.chain import ChainLink, ProviderChain
 from fusion_graph.providers.models import build_cloud_model
+from fusion_graph.providers.placement import FixedPlacement
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.redact import REDACTED, scrub
 from fusion_graph.settings import FusionSettings
@@ -338,12 +340,15 @@ async def test_a_dropped_memory_job_says_why_without_the_key(caplog: pytest.LogC
     buggy = Buggy(messages=iter([]), detail=key)
     chain = ProviderChain([ChainLink(LOCAL_ID, "local", buggy, Pricing.flat(FREE))])
 
-    async def no_slot(link: ChainLink) -> int | None:
-        return None
-
     job = memory.DEFAULT_JOBS[0]
     runner = memory.JobRunner(
-        chain=chain, leg="local", system_prompt="", tools=[], reflection_slot=no_slot, max_tokens=64
+        chain=chain,
+        leg="local",
+        system_prompt="",
+        tools=[],
+        placer=FixedPlacement(),
+        thread_id="t",
+        max_tokens=64,
     )
     result, records, why = await memory.run_job(job, [HumanMessage("x")], runner, turn=0, step=0)
     assert result is None and records == []

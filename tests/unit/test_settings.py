@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from fusion_graph.settings import ContextError, FusionSettings
+from fusion_graph.errors import ContextError
+from fusion_graph.settings import FusionSettings
 
 
 @pytest.mark.parametrize(

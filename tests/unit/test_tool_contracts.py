@@ -16,7 +16,7 @@ from langgraph.store.memory import InMemoryStore
 from langgraph.types import Command, interrupt
 
 from fusion_graph import FusionContext, build_graph
-from fusion_graph.nodes import InvalidInput
+from fusion_graph.errors import InvalidInput
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import ai_calls, call, scripted, user_input
@@ -316,16 +316,17 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     import fusion_graph.nodes.route as route_module
 
     decided: list[int] = []
-    real = route_module.continuation_route  # type: ignore[attr-defined]
+    real = route_module.next_route  # type: ignore[attr-defined]
 
     def counting(state: Any, context: Any, count_tokens: Any = None, **sizes: Any) -> Any:
         decision, signals = real(state, context, count_tokens, **sizes)
-        decided.append(decision.score.score if decision.score else -1)
+        if not sizes.get("plan"):  # the plan step routes itself; continuation steps only at route
+            decided.append(decision.score.score if decision.score else -1)
         return decision, signals
 
-    # The executor has no scoring path at all: it acts on the decision route handed over.
-    assert not hasattr(inference_module, "continuation_route"), "the executor can score the step again"
-    monkeypatch.setattr(route_module, "continuation_route", counting)
+    # The executor scores no continuation step: it acts on the decision route handed over.
+    monkeypatch.setattr(route_module, "next_route", counting)
+    monkeypatch.setattr(inference_module, "next_route", counting)
     ledger: list[str] = []
     cloud = scripted("cloud", [ai_calls(call("echo", {"text": "a"}, "1"), call("echo", {"text": "b"}, "2"))])
     local = scripted("local", [ai_calls(call("echo", {"text": "c"}, "3")), "done"])

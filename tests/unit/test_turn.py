@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fusion_graph.context import FusionContext
-from fusion_graph.providers.records import make_record
+from fusion_graph.records import RouteRecord, StepKind, make_record
 from fusion_graph.routing import Leg, Pace, RouteDecision
-from fusion_graph.state import RouteRecord, State, StepKind
+from fusion_graph.state import State
 from fusion_graph.turn import pace_of
 
 

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from fusion_graph.cli.app import app
-from fusion_graph.cli.report import budget_summary, kept_local_by_budget
-from fusion_graph.providers.records import make_record
+from fusion_graph.cli.report import budget_summary
+from fusion_graph.records import RouteRecord, StepKind, kept_local_by_budget, make_record
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
-from fusion_graph.state import RouteRecord, StepKind
 from tests.unit.cli.test_report import PRICED, two_threads
 from tests.unit.cli.test_traces import (
     dollar_prices,  # noqa: F401  (a fixture)
@@ -86,14 +85,21 @@ def test_calibrate_under_a_budget_reports_the_budgeted_run(tmp_path: Path, dolla
 
 
 def record(
-    turn: int, leg: Leg, cost: float | None, *, kind: StepKind = "step", reason: str = "r", **extra: str
+    turn: int,
+    leg: Leg,
+    cost: float | None,
+    *,
+    kind: StepKind = "step",
+    reason: str = "r",
+    budget: str | None = None,
+    **extra: str,
 ) -> RouteRecord:
     made = make_record(
         turn=turn,
         step=1,
         kind=kind,
         leg=leg,
-        decision=RouteDecision(leg, None, None, reason),
+        decision=RouteDecision(leg, None, None, reason, budget=budget),
         signals=None,
         provider=None,
         answer=None,
@@ -110,8 +116,8 @@ def test_budget_summary_counts_spend_turns_kept_local_and_syntheses() -> None:
         record(0, "cloud", 0.02),
         record(0, "local", 0.5),  # local: not cloud spend
         record(1, "cloud", 0.015),
-        record(1, "local", None, reason=moved),
-        record(1, "local", None, cloud_budget="turn"),
+        record(1, "local", None, reason=moved, budget="thread budget $0.05"),
+        record(1, "local", None, budget="turn budget $0.01", cloud_budget="turn"),
         record(1, "local", None, reason="thread budget $0.05 said nothing"),  # not ending ": local"
         record(1, "cloud", 0.001, kind="synthesis", draft="d"),
         record(2, "cloud", None, kind="synthesis", skipped="over budget"),

@@ -20,8 +20,8 @@ from langgraph.store.memory import InMemoryStore
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import SYSTEM_PROMPT
+from fusion_graph.records import RouteRecord
 from fusion_graph.sizing.tokens import build_prompt
-from fusion_graph.state import RouteRecord
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 NS = memory.namespace("fusion", "anonymous")

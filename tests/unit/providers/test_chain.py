@@ -17,18 +17,12 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatResult
 from langchain_openai import ChatOpenAI
 
-from fusion_graph.providers.chain import (
-    Attempt,
-    ChainExhausted,
-    ChainLink,
-    ProviderChain,
-    ProviderRequestError,
-    close_chat_model,
-    owned_clients,
-)
+from fusion_graph.errors import ChainExhausted, ProviderRequestError
+from fusion_graph.providers.chain import ChainLink, ProviderChain, close_chat_model, owned_clients
 from fusion_graph.providers.health import HealthPolicy, RetryPolicy
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import FREE, Pricing
+from fusion_graph.records import Attempt
 from fusion_graph.routing import Leg
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.errors import (

@@ -13,9 +13,8 @@ import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
-from fusion_graph.providers.llama_server import LocalPoolMismatch
+from fusion_graph.errors import ContextError, LocalPoolMismatch
 from fusion_graph.providers.slots import BoxSlots, routing_key
-from fusion_graph.settings import ContextError
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 

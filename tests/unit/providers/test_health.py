@@ -10,17 +10,16 @@ import httpx
 import openai
 import pytest
 
+from fusion_graph.errors import LlamaServerUnavailable, MalformedAnswer
 from fusion_graph.providers.health import (
-    ErrorClass,
     Health,
     HealthPolicy,
-    MalformedAnswer,
     classify,
     context_overflow,
     overflow_numbers,
     retry_after,
 )
-from fusion_graph.providers.llama_server import LlamaServerUnavailable
+from fusion_graph.records import ErrorClass
 from tests.plugins.errors import (
     EPOCH,
     URL,

@@ -27,11 +27,10 @@ from fusion_graph.providers.pricing import (
     pricing_for,
     unit_prices,
 )
-from fusion_graph.providers.records import make_record
 from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.records import RouteRecord, make_record
 from fusion_graph.routing import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
-from fusion_graph.state import RouteRecord
 
 MINI = Pricing.catalog("gpt-4o-mini", provider_id="openai")
 POWER = TokenPrices(input=0.02, output=0.05)

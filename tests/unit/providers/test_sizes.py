@@ -17,7 +17,8 @@ from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, build_graph
-from fusion_graph.settings import ContextError, FusionSettings
+from fusion_graph.errors import ContextError
+from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.compaction import PLACEHOLDER
 from fusion_graph.sizing.tokens import CUT_KEY
 from tests.plugins.errors import llama_overflow

@@ -10,7 +10,8 @@ from langchain_openai import ChatOpenAI
 from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.llama_server import ChatLlamaServer
-from fusion_graph.providers.slots import SlotPool, slot_body
+from fusion_graph.providers.placement import slot_body
+from fusion_graph.providers.slots import SlotPool
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from fusion_graph_testing.llama_server import free_port

@@ -16,7 +16,6 @@ from fusion_graph.replay.traces import (
     RecordedTrajectory,
     ReplayedTrajectory,
     StepPrices,
-    is_budget_local,
     load_trajectories,
     replay_trajectory,
     resynthesis_count,
@@ -60,7 +59,7 @@ def test_a_thread_budget_moves_the_plans_it_cannot_afford_local(tmp_path: Path) 
     assert out["cloud_cost_usd"] == pytest.approx(first)
     assert out["cloud_fraction"] == round(1 / 3, 4)
     assert out["budget"] == {"turn_usd": None, "thread_usd": budget}
-    assert all(is_budget_local(s.decision.reason) for s in replay.steps[1:])
+    assert all(s.decision.budget is not None for s in replay.steps[1:])
     assert "thread budget $" in replay.steps[1].decision.reason
     assert [r["budget_local"] for r in out["trajectories"][0]["steps"]] == [False, True, True]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fusion_graph.context import FusionContext
+from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.calibration import (
-    CalibrationError,
     ScoredStep,
     ShareCount,
     TargetOf,

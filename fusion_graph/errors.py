@@ -1,0 +1,141 @@
+"""Every error fusion-graph raises on purpose, in one hierarchy (as httpx's ``_exceptions.py``).
+
+Each class also derives from the built-in error it has always been, so code
+that catches ``ValueError`` or ``ConnectionError`` keeps working::
+
+    FusionError                      anything below: catch it to catch them all
+    ├── InvalidInput                 (ValueError) the run's input cannot start a turn; nothing was sent
+    ├── ContextError                 (ValueError) a run context asks for what the operator did not allow
+    ├── ProviderConfigError          (ValueError) a provider cannot be built (no key, bad URL)
+    ├── ProviderError                (RuntimeError) a provider call ended without an answer
+    │   ├── ChainExhausted           every provider failed or is cooling down
+    │   └── ProviderRequestError     the request itself was refused (4xx) or failed unexpectedly
+    ├── MalformedAnswer              (ValueError) a provider's answer is not a chat completion
+    ├── LocalServerError             the local endpoint is not what the graph needs
+    │   ├── LlamaServerUnavailable   (ConnectionError) llama-server cannot be reached
+    │   ├── NotLlamaServer           (ValueError) it answers, but not as llama-server
+    │   └── LocalPoolMismatch        (RuntimeError) the boxes behind a gateway disagree
+    ├── ThreadBusy                   (RuntimeError) another run of the thread holds it (shared checkpointer)
+    ├── WorkspaceError               (LangChain's ToolException) a path or edit the file tools refuse
+    ├── TraceError                   (ValueError) a trace file is missing or malformed
+    ├── CalibrationError             (ValueError) the calibration set cannot support the request
+    ├── PlotUnavailable              (RuntimeError) matplotlib is not installed
+    └── RunError                     (ValueError) a CLI command cannot start as asked
+
+``WorkspaceError`` is defined beside the file tools (``fusion_graph.tools.files``):
+it is a LangChain ``ToolException``, and this module stays free of LangChain so
+the CLI can import it before any command runs.
+
+Every message names the fix. Errors that carry a provider's failure are the
+package's own, scrubbed of secrets and never chained to the provider's
+exception (its text, body or headers may echo the key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class FusionError(Exception):
+    """Base of every error fusion-graph raises on purpose."""
+
+
+class InvalidInput(FusionError, ValueError):
+    """A run's input cannot start a turn (no new user message, too much text); nothing was sent."""
+
+
+class ContextError(FusionError, ValueError):
+    """A run's context asks for something the operator did not allow; the message names the field."""
+
+
+class ProviderConfigError(FusionError, ValueError):
+    """A provider cannot be built from the settings; the message names the fix."""
+
+
+class ProviderError(FusionError, RuntimeError):
+    """A provider call ended without an answer; ``attempts`` holds the call's failed attempts."""
+
+    attempts: tuple[Any, ...]
+
+
+class ChainExhausted(ProviderError):
+    """Every provider failed or is cooling down; ``attempts`` holds this call's failures.
+
+    Raised ``from None``: the providers' exceptions are not chained, because
+    their text, ``body`` and ``response`` may carry the API key (some gateways
+    echo it in a 401) and a chained cause is printed by every traceback, e.g.
+    the LangGraph server's run-error log. The message and ``attempts`` are the
+    scrubbed summary (class, kind, message, latency of each failure).
+    """
+
+    def __init__(self, message: str, attempts: Sequence[Any], retry_in_s: float | None) -> None:
+        super().__init__(message)
+        self.attempts, self.retry_in_s = tuple(attempts), retry_in_s
+
+
+class ProviderRequestError(ProviderError):
+    """A request no provider could take: the request itself was refused (4xx), or an unexpected error.
+
+    The project's own error in place of the provider's: its text is scrubbed,
+    the failed attempts are in its notes and ``attempts``, and the provider's
+    exception is not chained (it may carry the key; LangGraph stores and serves
+    a run's error). ``error_type`` names the original exception's class.
+    """
+
+    def __init__(self, message: str, attempts: Sequence[Any], error_type: str, kind: str) -> None:
+        super().__init__(message)
+        self.attempts, self.error_type, self.kind = tuple(attempts), error_type, kind
+
+
+class MalformedAnswer(FusionError, ValueError):
+    """A provider answered with something that is not a usable chat completion.
+
+    Empty ``choices``, a choice without a message, tool-call arguments that are
+    not a JSON string, or an answer the model's own parsing chokes on
+    (``IndexError``, a validation error). Classed ``malformed_response``: a
+    health failure, and the chain falls over.
+    """
+
+
+class LocalServerError(FusionError):
+    """The local endpoint is not what the graph needs; the message names the URL and the fix."""
+
+
+class LlamaServerUnavailable(LocalServerError, ConnectionError):
+    """llama-server could not be reached; the message names the URL and how to start one."""
+
+
+class NotLlamaServer(LocalServerError, ValueError):
+    """The local endpoint answers, but not as llama-server (no ``/props`` with ``total_slots``)."""
+
+
+class LocalPoolMismatch(LocalServerError, RuntimeError):
+    """The boxes of ``local_workers`` do not serve the same model with the same slots."""
+
+
+class ThreadBusy(FusionError, RuntimeError):
+    """Another run of this thread is in progress on the shared checkpointer; nothing was written.
+
+    Within one process runs of a thread queue behind each other; across
+    processes on one checkpointer they cannot, so the second is refused.
+    """
+
+
+class TraceError(FusionError, ValueError):
+    """A trace path is missing or a record is malformed; the message names the file and line."""
+
+
+class CalibrationError(FusionError, ValueError):
+    """The calibration set cannot support the request (e.g. no continuation steps)."""
+
+
+class PlotUnavailable(FusionError, RuntimeError):
+    """matplotlib is not installed; the message says how to install it."""
+
+
+class RunError(FusionError, ValueError):
+    """A CLI command cannot start as asked (an unknown thread, a bad ``--postgres`` URL).
+
+    The message names the fix; the commands print it as one line on stderr and exit 2.
+    """

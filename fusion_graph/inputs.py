@@ -1,0 +1,56 @@
+"""What a run must bring: a new user message (within the operator's size), and a thread id.
+
+Checked before anything is written or sent to a model, by the graph's entry
+(``run_queue``) and again by the plan step, so a run refused here leaves the
+thread as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.messages import BaseMessage, HumanMessage, convert_to_messages
+from langchain_core.runnables import RunnableConfig
+
+from fusion_graph.errors import InvalidInput
+
+
+def thread_id_of(config: RunnableConfig) -> str:
+    """The conversation's id (``configurable.thread_id``); one shared id when absent."""
+    return str(config.get("configurable", {}).get("thread_id") or "default")
+
+
+def check_new_turn(messages: Sequence[BaseMessage] | None) -> None:
+    """Refuse a turn whose last message is not a user's (no model call is made for it)."""
+    if not messages:
+        raise InvalidInput(
+            "the run has no messages: send at least one user message, e.g. "
+            '{"messages": [("user", "...")]}; to continue an interrupted run, invoke with None'
+        )
+    last = messages[-1]
+    if not isinstance(last, HumanMessage):
+        raise InvalidInput(
+            f"the last message is a {type(last).__name__}, not a user message: a turn starts with a "
+            "new user message (to continue an interrupted run, invoke with None or Command(resume=...))"
+        )
+
+
+def check_input(input: Any, max_chars: int | None = None) -> None:
+    """Refuse graph input that carries no new user message, or more than ``max_chars`` of text.
+
+    ``None`` and ``Command`` resume a thread and pass.
+    """
+    if input is None or not isinstance(input, dict):
+        return  # resume (None), Command(resume=...), or a type LangGraph itself rejects
+    raw: Any = input.get("messages")
+    if raw is None:
+        check_new_turn([])
+    messages = convert_to_messages(raw if isinstance(raw, list) else [raw])
+    check_new_turn(messages)
+    size = sum(len(str(m.content)) for m in messages)
+    if max_chars is not None and size > max_chars:
+        raise InvalidInput(
+            f"the input is {size:,} characters; this deployment takes at most {max_chars:,} "
+            "(the operator sets FUSION_MAX_INPUT_CHARS)"
+        )

@@ -1,0 +1,250 @@
+"""Route records: the typed entry every inference leaves in ``route_log``, and the totals over them.
+
+Plain data with no graph runtime, so the CLI, replay, the benchmarks and the
+nodes all import the same step kinds, record type and totals instead of
+copying them. A record's token and cost fields come from the answering
+provider's own report, or are ``None`` when it reported nothing: never an estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+# NOTE: typing_extensions.TypedDict, not typing.TypedDict: on Python 3.11 the
+# LangGraph server's schema endpoint rejects the latter.
+from typing_extensions import NotRequired, TypedDict  # noqa: UP035
+
+from fusion_graph.routing import Leg, RouteDecision, StepSignals
+
+if TYPE_CHECKING:
+    from langchain_core.messages import AIMessage
+
+StepKind = Literal["plan", "step", "repair", "memory", "synthesis", "sampling"]
+
+#: Inferences beside the turn's steps (memory jobs, a reply's re-write, MCP samples): not routed
+#: by the score, so step counts and the share of steps on cloud leave them out.
+SIDE_KINDS: frozenset[str] = frozenset({"memory", "synthesis", "sampling"})
+
+ErrorClass = Literal[
+    "rate_limited",
+    "timeout",
+    "connection",
+    "server_error",
+    "misconfigured",
+    "malformed_response",
+    "context_overflow",
+    "bad_request",
+    "other",
+]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One failed try within a call; ``error`` is the exception's class name.
+
+    ``message`` is the error text scrubbed of secrets (``redact.scrub``), at most 500 characters.
+    ``prompt_tokens``: the request's size as a ``context_overflow`` error reported it.
+    """
+
+    provider: str
+    leg: Leg
+    error: str
+    kind: ErrorClass
+    message: str
+    latency_s: float
+    health_failure: bool
+    probe: bool
+    retry_after_s: float | None = None
+    prompt_tokens: int | None = None
+
+
+class DecisionFields(TypedDict):
+    """A routing decision as plain data: the score, its terms, the threshold, the reason, the signals."""
+
+    score: int | None
+    breakdown: dict[str, float] | None
+    threshold: float | None
+    reason: str
+    signals: dict[str, Any]
+
+
+class RouteRecord(DecisionFields):
+    """One inference of a turn: where it ran, why, who answered and what it cost."""
+
+    turn: int
+    step: int
+    kind: StepKind
+    leg: Leg
+    """The leg that answered (differs from ``routed_leg`` after a fallover)."""
+    routed_leg: Leg
+    """The leg the router (or the repair rule) chose."""
+    provider: str | None
+    """Id of the provider that answered; ``cost_usd`` is priced at its prices."""
+    attempts: list[dict[str, Any]]
+    """Failed attempts before the answer: provider, leg, error class, kind, latency."""
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    cost_usd: float | None
+    slot: int | None
+    """llama-server slot of a local step (``None`` on cloud)."""
+    processed_tokens: int | None
+    """Prompt tokens the local server actually processed (``timings.prompt_n``)."""
+    prompt_ms: float | None
+    """Local prefill time (``timings.prompt_ms``); comparable only within one run."""
+    extra: dict[str, Any]
+    kept_local_by_budget: NotRequired[bool]
+    """A cloud budget moved this inference from cloud to local (``budget.guard``)."""
+
+
+def is_step(record: Mapping[str, Any]) -> bool:
+    """Whether a record is a step of the turn (plan, continuation step, repair), not a side inference."""
+    return record["kind"] not in SIDE_KINDS
+
+
+def kept_local_by_budget(record: Mapping[str, Any]) -> bool:
+    """Whether a cloud budget moved this inference local (the record's own field)."""
+    return bool(record.get("kept_local_by_budget"))
+
+
+def money(value: float | None) -> str:
+    """USD with enough digits for sub-cent steps: ``$0.05``, ``$0.0041`` (``-`` when unknown)."""
+    if value is None:
+        return "-"
+    text = f"{value:.4f}".rstrip("0")
+    return "$" + (text + "0" if text.endswith(".") else text)
+
+
+def usage_numbers(message: AIMessage) -> tuple[int | None, int | None, int | None]:
+    """``(prompt, cached, completion)`` tokens as the provider reported them, else ``None``."""
+    usage = message.usage_metadata
+    if not usage:
+        return None, None, None
+    details = usage.get("input_token_details") or {}
+    cached = details.get("cache_read")
+    return usage.get("input_tokens"), cached, usage.get("output_tokens")
+
+
+def timings_numbers(message: AIMessage) -> tuple[int | None, int | None, float | None]:
+    """``(processed, reused, prompt_ms)`` from llama-server's ``timings``, else ``None``."""
+    timings = message.response_metadata.get("timings")
+    if not isinstance(timings, dict):
+        return None, None, None
+    return timings.get("prompt_n"), timings.get("cache_n"), timings.get("prompt_ms")
+
+
+def make_record(
+    *,
+    turn: int,
+    step: int,
+    kind: StepKind,
+    leg: Leg,
+    decision: RouteDecision,
+    signals: StepSignals | None,
+    provider: str | None,
+    answer: AIMessage | None,
+    slot: int | None = None,
+    attempts: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> RouteRecord:
+    """The ``route_log`` entry of one inference.
+
+    Token counts come from the provider's answer; ``cost_usd`` stays ``None``
+    until a priced provider fills it (never a guess).
+    """
+    prompt, cached, completion = usage_numbers(answer) if answer is not None else (None, None, None)
+    processed, reused, prompt_ms = timings_numbers(answer) if answer is not None else (None, None, None)
+    if cached is None:
+        cached = reused
+    score = decision.score
+    return RouteRecord(
+        turn=turn,
+        step=step,
+        kind=kind,
+        leg=leg,
+        routed_leg=decision.leg,
+        score=score.score if score is not None else None,
+        breakdown=score.breakdown() if score is not None else None,
+        threshold=decision.threshold,
+        reason=decision.reason,
+        signals=dict(vars(signals)) if signals is not None else {},  # numbers and flags: no deep copy
+        provider=provider,
+        attempts=attempts or [],
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        cost_usd=None,
+        slot=slot,
+        processed_tokens=processed,
+        prompt_ms=prompt_ms,
+        extra=extra or {},
+        kept_local_by_budget=decision.budget is not None,
+    )
+
+
+def unanswered_record(
+    *,
+    turn: int,
+    step: int,
+    kind: StepKind,
+    decision: RouteDecision,
+    signals: StepSignals | None = None,
+    attempts: Iterable[Attempt] = (),
+    extra: dict[str, Any] | None = None,
+) -> RouteRecord:
+    """The record of an inference no provider answered, or that was not made (``extra`` says why)."""
+    return make_record(
+        turn=turn,
+        step=step,
+        kind=kind,
+        leg=decision.leg,
+        decision=decision,
+        signals=signals,
+        provider=None,
+        answer=None,
+        attempts=[attempt_dict(attempt) for attempt in attempts],
+        extra=extra,
+    )
+
+
+def attempt_dict(attempt: Attempt) -> dict[str, Any]:
+    """An attempt as the plain dict a record keeps."""
+    return dict(vars(attempt))
+
+
+def totals_of(record: RouteRecord) -> dict[str, Any]:
+    """One record's contribution to the thread's running ``totals``."""
+    return {
+        "cost_usd": record["cost_usd"] or 0.0,
+        "unpriced": 1 if record["cost_usd"] is None else 0,
+        record["leg"]: {
+            "inferences": 1,
+            "prompt_tokens": record["prompt_tokens"] or 0,
+            "cached_tokens": record["cached_tokens"] or 0,
+            "completion_tokens": record["completion_tokens"] or 0,
+        },
+    }
+
+
+def add_totals(left: dict[str, Any] | None, right: dict[str, Any] | None) -> dict[str, Any]:
+    """Reducer: add running totals (numbers add up, nested tables add key by key)."""
+    merged: dict[str, Any] = dict(left or {})
+    for key, value in (right or {}).items():
+        if isinstance(value, dict):
+            merged[key] = add_totals(merged.get(key), value)
+        elif isinstance(value, int | float):
+            merged[key] = merged.get(key, 0) + value
+        else:
+            merged[key] = value
+    return merged
+
+
+def records_totals(records: Iterable[RouteRecord]) -> dict[str, Any]:
+    """The ``totals`` of the answered ``records`` (one no provider answered adds nothing)."""
+    totals: dict[str, Any] = {}
+    for record in records:
+        if record["provider"] is not None:
+            totals = add_totals(totals, totals_of(record))
+    return totals
