@@ -256,10 +256,12 @@ def to_pending(
     decision: RouteDecision,
     signals: StepSignals,
     estimates: Mapping[str, Estimate] | None = None,
+    sizes: Mapping[str, Any] | None = None,
 ) -> PendingRoute:
     """A decision as plain, checkpointable data, for the executor that acts on it.
 
-    ``estimates``: the prompt estimate per leg the decision was measured with.
+    ``estimates``: the prompt estimate per leg the decision was measured with;
+    ``sizes``: the windows and budget beside them, so the executor need not measure again.
     """
     score = decision.score
     choice = PendingRoute(
@@ -273,6 +275,8 @@ def to_pending(
     )
     if estimates:
         choice["estimates"] = {leg: estimate.as_dict() for leg, estimate in estimates.items()}
+    if sizes:
+        choice["sizes"] = dict(sizes)
     if decision.budget is not None:
         choice["budget"] = decision.budget
     return choice

@@ -241,7 +241,11 @@ class InferenceNodes:
         if pending is None or pending["leg"] != leg:
             raise RuntimeError(f"the {leg} step runs only on a decision that route handed over for it")
         decision, signals = from_pending(pending)
-        sizes = await self.measure(state, context, handed_estimates(pending))
+        estimates = handed_estimates(pending)
+        if estimates is not None and "sizes" in pending:  # measured by route for this very state
+            sizes = StepSizes.handed(pending["sizes"], estimates)
+        else:
+            sizes = await self.measure(state, context, estimates)
         step, turn = state.get("step", 0) + 1, state.get("turn", 0)
         order = StepOrder(leg, "step", step=step, turn=turn, decision=decision, signals=signals, sizes=sizes)
         update, _ = await self._infer(order, state, runtime)

@@ -86,7 +86,8 @@ class RouteNode:
             anchors, log = state.get("anchors") or {}, state.get("route_log", [])
             check = self.sizer.check_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
             decision = check.guard(decision)
-        update: dict[str, Any] = {"route": to_pending(step, decision, signals, sizes.estimates)}
+        handed = to_pending(step, decision, signals, sizes.estimates, sizes.as_dict())
+        update: dict[str, Any] = {"route": handed}
         if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
             update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))
         every = context.memory_every_k_steps

@@ -10,6 +10,7 @@ next time.
 from __future__ import annotations
 
 import logging
+import weakref
 
 from fusion_graph.errors import LlamaServerUnavailable, LocalPoolMismatch, NotLlamaServer
 from fusion_graph.providers.chain import ChainLink
@@ -33,6 +34,8 @@ class LocalServers:
         self._not_llama: set[str] = set()
         self._props: dict[str, ServerProps] = {}
         self._count_url: str | None = None
+        #: Windows that cannot change any more (asked on every step): by link.
+        self._windows: weakref.WeakKeyDictionary[ChainLink, int | None] = weakref.WeakKeyDictionary()
 
     @property
     def pooled(self) -> bool:
@@ -126,13 +129,27 @@ class LocalServers:
         ``cloud_window_tokens``; llama-server's per-slot context (``GET /props``, asked
         once per server); ``max_input_tokens`` of the model's langchain-core profile;
         for the cloud leg ``DEFAULT_CLOUD_WINDOW``. A local server that is none of
-        these has no known window (every step is assumed to fit it).
+        these has no known window (every step is assumed to fit it). A window
+        that rests on anything but an unreachable server is kept.
         """
+        if link in self._windows:
+            return self._windows[link]
+        window = await self._window(link)
+        settled = link.leg == "cloud" or link.as_provider().base_url in self._props
+        if settled or link.window is not None or self._window_setting(link):
+            self._windows[link] = window
+        return window
+
+    def _window_setting(self, link: ChainLink) -> int:
+        """The operator's window for ``link``'s leg (0: not set)."""
+        if link.leg == "local":
+            return self.settings.local_window_tokens or 0
+        return self.settings.cloud_window_tokens or 0
+
+    async def _window(self, link: ChainLink) -> int | None:
         if link.window is not None:
             return link.window
-        setting = (
-            self.settings.local_window_tokens if link.leg == "local" else self.settings.cloud_window_tokens
-        )
+        setting = self._window_setting(link)
         if setting:
             return setting
         props = await self.props(link)

@@ -58,6 +58,22 @@ class StepSizes:
     score_leg: Leg
     key: str
 
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for a handed decision: windows, budget, score leg and key (estimates apart)."""
+        return {
+            "windows": dict(self.windows),
+            "budget": self.budget,
+            "score_leg": self.score_leg,
+            "key": self.key,
+        }
+
+    @classmethod
+    def handed(cls, data: Mapping[str, Any], estimates: Mapping[str, Estimate]) -> StepSizes:
+        """The sizes a ``route`` decision was measured with (the inverse of ``as_dict``)."""
+        return cls(
+            dict(data["windows"]), dict(estimates), int(data["budget"]), data["score_leg"], data["key"]
+        )
+
     @property
     def score_tokens(self) -> int:
         """The prompt estimate the score uses."""

@@ -8,7 +8,8 @@ install it to start the same server the integration tests use; ``fusion_graph``
 never imports it (``tests/unit/test_wheel.py`` checks). The model writer is
 imported lazily, so using only the server helpers does not load ``gguf`` and
 ``numpy``. :class:`Gateway` runs the ``smg`` gateway (the ``pool`` extra) in
-front of several servers.
+front of several servers; :class:`LangGraphServer` runs the graph on several
+``langhost serve`` worker processes sharing a Postgres run queue and a Redis.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ from fusion_graph_testing.gateway import (
     find_smg,
     served_by,
     smg_version,
+)
+from fusion_graph_testing.langgraph_server import (
+    LangGraphServer,
+    LangGraphServerError,
+    LangGraphServerNotInstalled,
+    LangGraphWorker,
+    RedisServer,
+    RunAttempt,
+    ensure_langhost,
+    ensure_redis_server,
+    find_langhost,
+    find_redis_server,
 )
 from fusion_graph_testing.llama_server import (
     DEFAULT_LLAMA_CPP_PYTHON_VERSION,
@@ -56,15 +69,25 @@ __all__ = [
     "Gateway",
     "GatewayError",
     "GatewayNotInstalled",
+    "LangGraphServer",
+    "LangGraphServerError",
+    "LangGraphServerNotInstalled",
+    "LangGraphWorker",
     "LlamaServer",
     "LlamaServerError",
     "LlamaServerNotBuilt",
+    "RedisServer",
+    "RunAttempt",
     "build_script",
     "cache_dir",
     "chat_template",
+    "ensure_langhost",
     "ensure_llama_server",
+    "ensure_redis_server",
     "ensure_smg",
+    "find_langhost",
     "find_llama_server",
+    "find_redis_server",
     "find_smg",
     "free_port",
     "read_tokenizer_metadata",

@@ -15,7 +15,7 @@ processes, each seeing what the other wrote; a worker SIGKILLed in the middle
 of a run leaves it to the other, which finishes it from the checkpoint (the
 plan is not asked again, no message is lost or doubled), for a caller
 waiting on the run (``runs.wait``) and for one streaming it
-(``stream_mode="messages"``).
+(``stream_mode="messages"``); restarted, the killed worker takes work again.
 """
 
 from __future__ import annotations
@@ -423,7 +423,11 @@ async def test_consecutive_turns_of_a_thread_run_in_different_workers(
 async def test_a_worker_killed_mid_run_leaves_the_run_to_the_other_which_finishes_it_from_the_checkpoint(
     start_langgraph_server: StartServer, fakes: Fakes, mode: str
 ) -> None:
-    """Plan (cloud) and tool ran and were checkpointed; the local step is in flight when its worker dies."""
+    """Plan (cloud) and tool ran and were checkpointed; the local step is in flight when its worker dies.
+
+    The caller talks to the surviving worker, kept busy meanwhile so the run can only start in the
+    other; once the other is killed and the survivor freed, the survivor's sweep re-queues the run.
+    """
     server = start_langgraph_server(fakes.env(), workers=2)
     survivor, doomed = 0, 1
     client: Any = get_client(url=server.url(survivor))  # the caller's connection: the worker that lives
@@ -492,3 +496,16 @@ async def test_a_worker_killed_mid_run_leaves_the_run_to_the_other_which_finishe
         streamed: Sequence[tuple[str, str, str]] = turn.streamed.in_order()
         in_state = [(m["id"], m["type"], m["content"]) for m in state["values"]["messages"][1:]]
         assert streamed == in_state, "the stream lost, doubled or re-sent a message"
+
+    # The killed worker, restarted on its port, takes work again: the thread's next turn, here.
+    url, pid = server.url(doomed), server.pids()[doomed]
+    assert pid is None
+    assert server.restart(doomed) == url
+    occupation = await occupy(server, fakes, client, assistant, busy={survivor})
+    after = Turn(client, assistant, thread_id, "after the restart", "wait")
+    await bounded(after.run(), "the turn after the restart", server)
+    await occupation.release()
+    assert after.run_id is not None and server.ran_by(after.run_id) == doomed
+    state = await client.threads.get_state(thread_id)
+    assert conversation(state["values"]) == [*expected, ("human", after.text), ("ai", answer(after.text))]
+    assert_unique_ids(state["values"])

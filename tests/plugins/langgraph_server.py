@@ -75,7 +75,7 @@ def _database(postgres_url: str, name: str, *, create: bool) -> str:
 
 @pytest.fixture
 def start_langgraph_server(
-    postgres_url: str, langhost_bin: Path, redis_server_bin: Path, tmp_path: Path
+    langhost_bin: Path, redis_server_bin: Path, postgres_url: str, tmp_path: Path
 ) -> Iterator[StartServer]:
     """A factory of running servers, each on a fresh database; all are stopped after the test."""
     databases: list[str] = []
