@@ -3,15 +3,21 @@
 The LangGraph server already serialises runs on a thread; an app that embeds
 the compiled graph gets the same here: a second run on a ``thread_id`` waits
 for the first (runs queue, in order) instead of interleaving with it, which
-would fork the thread's history. Input that cannot start a turn is refused
+would fork the thread's history. That queue is this process's; with shared
+state (``shared_state="postgres"``) a run also holds the thread's lock in the
+deployment's Postgres, so a run of the thread in another process on the same
+checkpointer is refused (``ThreadBusy``) before anything is written. Input that cannot start a turn is refused
 before anything is written or sent to a model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -20,11 +26,16 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph.state import CompiledStateGraph
 
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.errors import InvalidInput
+from fusion_graph.errors import InvalidInput, ThreadBusy
 from fusion_graph.inputs import check_input
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
+from fusion_graph.shared_state import SharedStateUnavailable
 from fusion_graph.state import InputState, State
+
+logger = logging.getLogger(__name__)
+#: Seconds a run waits for the thread's run in another process to end before it is refused.
+THREAD_WAIT_S = 5.0
 
 
 class _Gates:
@@ -170,11 +181,42 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         key = (id(asyncio.get_running_loop()), id(self.checkpointer), str(thread))
         lock = _GATES.acquire_key(key)
         try:
-            async with lock:
+            async with lock, self._across_processes(str(thread)):
                 async for chunk in super().astream(input, config, **kwargs):
                     yield chunk
         finally:
             _GATES.release_key(key)
+
+    @contextlib.asynccontextmanager
+    async def _across_processes(self, thread: str) -> AsyncIterator[None]:
+        """Hold the thread's run lock in the shared state, if any; refuse the run if another process has it.
+
+        A run that another one just left waits for it a moment (``THREAD_WAIT_S``);
+        an unreachable database never fails the run (it is logged).
+        """
+        shared = self.memory_runs.resolver.shared
+        if shared is None:
+            yield
+            return
+        name = f"{self.name}:{thread}"
+        deadline = time.monotonic() + THREAD_WAIT_S
+        async with contextlib.AsyncExitStack() as stack:
+            while True:
+                try:
+                    held = await stack.enter_async_context(shared.thread_run(name))
+                except SharedStateUnavailable as error:
+                    logger.warning("runs of thread %r are not serialised across processes: %s", thread, error)
+                    break
+                if held:
+                    break
+                if time.monotonic() >= deadline:
+                    raise ThreadBusy(
+                        f"thread {thread!r} is running in another process on the shared checkpointer; "
+                        "runs of one thread must not interleave (nothing was written): wait for it and "
+                        "try again, or run them through one queue (a LangGraph server does)"
+                    )
+                await asyncio.sleep(0.1)
+            yield
 
 
 def serialised(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import os
 import posixpath
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationInfo, field_validator
@@ -92,6 +92,28 @@ class FusionSettings(BaseSettings):
         "x-smg-routed-worker-id",
         description="Response header in which a gateway names the box that served a local request; "
         "each thread's slot is then kept free on its own box. Empty: not read.",
+    )
+    shared_state: Literal["off", "postgres"] = Field(
+        "off",
+        description="Where the deployment's worker processes share slot leases, provider cooldowns, "
+        "memory job claims and thread runs: 'off' keeps them in each process (one process, or an "
+        "embedded app); 'postgres' keeps them in the Postgres at shared_state_url.",
+    )
+    shared_state_url: SecretStr | None = Field(
+        None,
+        description="Postgres URL of the shared state (shared_state='postgres'); empty: DATABASE_URI, "
+        "the database a LangGraph server runs on.",
+    )
+    slot_lease_s: Annotated[float, *between(10, 86_400)] = Field(
+        900.0,
+        description="Seconds a thread keeps its llama-server slot after its last local request when "
+        "the state is shared (a new thread then may take it).",
+    )
+    memory_claim_lease_s: Annotated[float, *between(1, 3600)] = Field(
+        15.0,
+        description="Seconds a worker's claim on a memory job lasts without a heartbeat (a third of it "
+        "apart) when the state is shared: a job whose worker died or froze is taken over this long "
+        "after its last sign of life.",
     )
     local_slots: Annotated[int, *between(0, 1024)] = Field(
         0, description="llama-server slots (its -np). 0 asks the server (GET /props -> total_slots)."
@@ -241,6 +263,14 @@ class FusionSettings(BaseSettings):
     def allowed_cloud_models(self) -> tuple[str, ...]:
         """``cloud_model`` and the allow-list: what a run's context may pick."""
         return (self.cloud_model, *(m for m in self.cloud_models if m != self.cloud_model))
+
+    def shared_url(self) -> str | None:
+        """The shared state's Postgres URL (``shared_state_url``, else ``DATABASE_URI``); ``None``: off."""
+        if self.shared_state == "off":
+            return None
+        if self.shared_state_url is not None and self.shared_state_url.get_secret_value():
+            return self.shared_state_url.get_secret_value()
+        return os.environ.get("DATABASE_URI") or None
 
     def narrow(self, *, cloud_model: str | None = None, workspace_root: str | None = None) -> FusionSettings:
         """These settings as one run may use them: a narrower workspace, an allowed model.

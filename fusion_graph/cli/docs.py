@@ -1,4 +1,4 @@
-"""Documentation generated from the code, so the README and ``.env.example`` cannot drift from it."""
+"""Documentation generated from the code, so ``docs/configuration.md`` and ``.env.example`` cannot drift."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _shown(default: Any) -> str:
 
 
 def config_table() -> str:
-    """The README's configuration table: operator settings, then per-run context fields."""
+    """The configuration table of docs/configuration.md: operator settings, then per-run context fields."""
     rows = [
         "| field | scope | type | default | environment | description |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -90,11 +90,11 @@ def render_readme_table(readme: str) -> str:
     return f"{head}{TABLE_BEGIN}\n{config_table()}\n{TABLE_END}{tail}"
 
 
-if __name__ == "__main__":  # python -m fusion_graph.cli.docs [README.md [.env.example]]
+if __name__ == "__main__":  # python -m fusion_graph.cli.docs [docs/configuration.md [.env.example]]
     import sys
     from pathlib import Path
 
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/configuration.md")
     path.write_text(render_readme_table(path.read_text(encoding="utf-8")), encoding="utf-8")
-    example = Path(sys.argv[2]) if len(sys.argv) > 2 else path.with_name(".env.example")
+    example = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".env.example")
     example.write_text(env_example(), encoding="utf-8")

@@ -30,6 +30,7 @@ finished jobs' records are folded into the thread's ``route_log`` once.
 from fusion_graph.memory.background import (
     detach,
     inference_running,
+    loop_outlives_run,
     running_here,
     steps_settled,
     wait_detached,
@@ -104,6 +105,7 @@ __all__ = [
     "inference_running",
     "job_prompt",
     "jobs_namespace",
+    "loop_outlives_run",
     "memories_namespace",
     "memory_message",
     "namespace",

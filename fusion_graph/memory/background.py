@@ -1,10 +1,18 @@
-"""Detached memory runs and the inferences in flight per thread (this process's registries)."""
+"""Detached memory runs and the inferences in flight per thread (this process's registries).
+
+A detached run is a task on the loop of the run that started it. Under a
+LangGraph server with ``BG_JOB_ISOLATED_LOOPS`` each run has a loop of its
+own that stops with the run, so a task left there would freeze until another
+run wakes that loop: ``loop_outlives_run`` says when the memory node must see
+its jobs through itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import weakref
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -33,6 +41,11 @@ def detach(job: Awaitable[Any], key: str | None = None) -> asyncio.Task[Any]:
 
         task.add_done_callback(forget)
     return task
+
+
+def loop_outlives_run() -> bool:
+    """Whether the event loop a graph run runs on goes on after the run (not a server's isolated loop)."""
+    return os.environ.get("BG_JOB_ISOLATED_LOOPS", "").strip().lower() not in {"1", "true", "yes", "on"}
 
 
 def running_here(key: str) -> bool:

@@ -11,7 +11,7 @@ from typing import Literal, TypedDict, cast
 
 from langgraph.store.base import BaseStore, SearchItem
 
-from fusion_graph.memory.jobs import JobTicket, MemoryJob
+from fusion_graph.memory.jobs import JobTicket, MemoryJob, TicketFields
 from fusion_graph.memory.store import (
     JOBS_NAMESPACE_ROOT,
     jobs_namespace,
@@ -20,7 +20,6 @@ from fusion_graph.memory.store import (
     search_all,
 )
 from fusion_graph.records import RouteRecord
-from fusion_graph.routing import Leg
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +39,12 @@ class Owner(TypedDict):
     pid: int
 
 
-class JobEntry(TypedDict):
-    """A job log entry (``jobs_namespace``): one memory run of a thread, from pending to folded."""
+class JobEntry(TicketFields):
+    """A job log entry (``jobs_namespace``): one memory run of a thread, from pending to folded.
 
-    thread_id: str
-    turn: int
-    step: int
-    covers: int
-    last_message_id: str | None
-    leg: Leg
+    The ticket's own fields (``JobTicket.fields``) and what the run came to.
+    """
+
     jobs: list[str]
     status: Literal["pending", "done", "folded"]
     """pending: written before the run; done: finished, records not yet in route_log; folded: they are."""
@@ -103,12 +99,7 @@ def pending_entry(
 ) -> JobEntry:
     """The entry written before a run starts (or restarts)."""
     return JobEntry(
-        thread_id=ticket.thread_id,
-        turn=ticket.turn,
-        step=ticket.step,
-        covers=ticket.covers,
-        last_message_id=ticket.last_message_id,
-        leg=ticket.leg,
+        **ticket.fields(),
         jobs=[job.name for job in jobs],
         status="pending",
         attempts=ticket.attempt,
@@ -140,16 +131,7 @@ def with_status(entry: JobEntry, status: Literal["pending", "done", "folded"]) -
 
 def ticket_of(entry: JobEntry, ns: tuple[str, ...], *, attempt: int | None = None) -> JobTicket:
     """The ticket of a logged run (``ns``: the memories' namespace), as a re-run takes it up."""
-    return JobTicket(
-        namespace=ns,
-        thread_id=entry["thread_id"],
-        turn=entry["turn"],
-        step=entry["step"],
-        covers=entry["covers"],
-        last_message_id=entry.get("last_message_id"),
-        leg=entry["leg"],
-        attempt=entry.get("attempts", 1) if attempt is None else attempt,
-    )
+    return JobTicket.of(entry, ns, entry.get("attempts", 1) if attempt is None else attempt)
 
 
 async def write_entry(store: BaseStore, ticket: JobTicket, entry: JobEntry) -> None:
@@ -170,7 +152,7 @@ async def thread_entries(
 
 async def pending_everywhere(store: BaseStore) -> list[tuple[tuple[str, ...], JobEntry]]:
     """Every pending run in the store, with its memories' namespace."""
-    found = await search_all(store, (JOBS_NAMESPACE_ROOT,), {"status": "pending"})
+    found = await search_all(store, (JOBS_NAMESPACE_ROOT,), {"status": "pending"}, depth=3)
     return [(memories_namespace(item.namespace), cast(JobEntry, item.value)) for item in found]
 
 

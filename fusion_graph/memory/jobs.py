@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from langchain_core.messages import BaseMessage, HumanMessage
 from pydantic import BaseModel, Field
+
+# NOTE: typing_extensions.TypedDict: on Python 3.11 the LangGraph server rejects typing.TypedDict.
+from typing_extensions import TypedDict
 
 from fusion_graph import prompts
 from fusion_graph.routing import Leg
@@ -62,6 +65,17 @@ def job_prompt(system_prompt: str, messages: Sequence[BaseMessage], job: MemoryJ
     return [*build_prompt(system_prompt, messages), HumanMessage(job.instructions)]
 
 
+class TicketFields(TypedDict):
+    """What identifies a memory run, as plain data: the part of its job log entry the ticket writes."""
+
+    thread_id: str
+    turn: int
+    step: int
+    covers: int
+    last_message_id: str | None
+    leg: Leg
+
+
 @dataclass(frozen=True)
 class JobTicket:
     """One memory run of a thread: what it covers and where it writes (its job log entry).
@@ -90,3 +104,28 @@ class JobTicket:
     def key(self) -> str:
         """The job log key (also the prefix of the items' keys, so a re-run overwrites them)."""
         return f"{self.thread_id}:{self.turn}:{self.step}"
+
+    def fields(self) -> TicketFields:
+        """The ticket's fields of its job log entry."""
+        return TicketFields(
+            thread_id=self.thread_id,
+            turn=self.turn,
+            step=self.step,
+            covers=self.covers,
+            last_message_id=self.last_message_id,
+            leg=self.leg,
+        )
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any], namespace: tuple[str, ...], attempt: int) -> JobTicket:
+        """The ticket of a logged run (``fields``: its entry), as a re-run takes it up."""
+        return cls(
+            namespace=namespace,
+            thread_id=fields["thread_id"],
+            turn=fields["turn"],
+            step=fields["step"],
+            covers=fields["covers"],
+            last_message_id=fields.get("last_message_id"),
+            leg=fields["leg"],
+            attempt=attempt,
+        )

@@ -8,9 +8,13 @@ and so do ``sweep``/``drain(graph=...)`` for pending runs no live process does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from langchain_core.messages import BaseMessage
@@ -41,8 +45,25 @@ from fusion_graph.memory.store import store_items
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.records import RouteRecord
 from fusion_graph.redact import scrub
+from fusion_graph.shared_state import SharedState, SharedStateUnavailable
 
 logger = logging.getLogger(__name__)
+
+
+def job_owner() -> str:
+    """A name for one run of a job in this process (host, pid, a random part)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+async def _keep_claim(shared: SharedState, key: str, owner: str, lease_s: float) -> None:
+    """Renew ``owner``'s claim on ``key`` every third of ``lease_s`` until cancelled or lost."""
+    while True:
+        await asyncio.sleep(lease_s / 3)
+        try:
+            if not await shared.renew_job(key, owner, lease_s):
+                return
+        except SharedStateUnavailable:
+            continue
 
 
 class MemoryGraph(Protocol):
@@ -78,6 +99,11 @@ class MemoryRuns:
         return self.resolver.settings.memory_timeout_s
 
     @property
+    def claim_lease_s(self) -> float:
+        """Seconds a shared claim lasts without a heartbeat (``memory_claim_lease_s``)."""
+        return self.resolver.settings.memory_claim_lease_s
+
+    @property
     def lease_s(self) -> float:
         """How long a pending run is left to its process: a wait for the step beside it, the run, grace."""
         return 2 * self.timeout_s + LEASE_GRACE_S
@@ -100,15 +126,40 @@ class MemoryRuns:
         records = await self.fold(entries, route_log, store, ns)
         if context.sub_runners == "off" or not self.memory_jobs:
             return records
-        now = time.time()
-        for entry in entries:
-            ticket = ticket_of(entry, ns)
-            if needs_rerun(entry, now=now, running_here=background.running_here(ticket.key)):
-                try:
-                    await self._rerun(entry, ns, messages, context, store)
-                except Exception:  # never fail the turn over memory; the next turn tries again
-                    logger.exception("running memory job %s again failed", ticket.key)
+        for entry in await self._to_rerun([(ns, entry) for entry in entries]):
+            key = ticket_of(entry, ns).key
+            try:
+                await self._rerun(entry, ns, messages, context, store)
+            except Exception:  # never fail the turn over memory; the next turn tries again
+                logger.exception("running memory job %s again failed", key)
         return records
+
+    async def _to_rerun(self, entries: Sequence[tuple[tuple[str, ...], JobEntry]]) -> list[JobEntry]:
+        """The pending runs nobody is doing: their lease lapsed, or their process is gone.
+
+        With shared state, the claims table decides (a claim that lapsed or was
+        never made); this process's own view otherwise (and when it cannot be read).
+        """
+        now = time.time()
+        pending = [
+            (ns, entry)
+            for ns, entry in entries
+            if entry.get("status") == "pending" and not background.running_here(ticket_of(entry, ns).key)
+        ]
+        shared = self.resolver.shared
+        if shared is not None and pending:
+            try:
+                claims = await shared.job_claims([ticket_of(entry, ns).key for ns, entry in pending])
+            except SharedStateUnavailable as error:
+                logger.warning("memory jobs: deciding in this process only: %s", error)
+            else:
+                stale = []
+                for ns, entry in pending:
+                    claim = claims.get(ticket_of(entry, ns).key)
+                    if claim is None or not (claim[2] or claim[3]):  # no claim, or neither done nor live
+                        stale.append(entry)
+                return stale
+        return [entry for _, entry in pending if needs_rerun(entry, now=now, running_here=False)]
 
     async def fold(
         self,
@@ -142,19 +193,49 @@ class MemoryRuns:
         store: BaseStore,
     ) -> asyncio.Task[Any] | None:
         """Claim a pending run nobody is doing and start it again (detached); ``None`` if given up."""
-        ticket = ticket_of(entry, ns, attempt=entry.get("attempts", 1) + 1)
+        owner: str | None = None
+        attempt = entry.get("attempts", 1) + 1
+        shared = self.resolver.shared
+        if shared is not None:
+            candidate = job_owner()
+            try:
+                won = await shared.claim_job(ticket_of(entry, ns).key, candidate, self.claim_lease_s)
+            except SharedStateUnavailable as error:
+                logger.warning("memory jobs: re-running without a shared claim: %s", error)
+            else:
+                if won is None:
+                    return None  # another worker took it first
+                owner, attempt = candidate, max(attempt, won)
+        ticket = ticket_of(entry, ns, attempt=attempt)
         if ticket.attempt > MAX_ATTEMPTS:
             why = f"given up after {MAX_ATTEMPTS} runs that never finished"
             dropped = [self.dropped(job, ticket, why) for job in self.memory_jobs]
             await write_entry(store, ticket, done_entry(entry, dropped))
+            if shared is not None and owner is not None:
+                with contextlib.suppress(SharedStateUnavailable):
+                    await shared.finish_job(ticket.key, owner)
             return None
-        claimed = pending_entry(
+        again = pending_entry(
             ticket, self.memory_jobs, lease_s=self.lease_s, created_at=entry.get("created_at")
         )
-        await write_entry(store, ticket, claimed)
+        await write_entry(store, ticket, again)
         logger.info("memory job %s: running again (attempt %d)", ticket.key, ticket.attempt)
         covered = _covered(messages, ticket)
-        return background.detach(self.run_logged(ticket, claimed, covered, context, store), key=ticket.key)
+        run = self.run_logged(ticket, again, covered, context, store, owner=owner)
+        return background.detach(run, key=ticket.key)
+
+    async def claim(self, ticket: JobTicket) -> str | None:
+        """Claim a new run in the shared claims table; the owner name, or ``None`` without shared state."""
+        shared = self.resolver.shared
+        if shared is None:
+            return None
+        owner = job_owner()
+        try:
+            await shared.claim_job(ticket.key, owner, self.claim_lease_s)
+        except SharedStateUnavailable as error:
+            logger.warning("memory jobs: running without a shared claim: %s", error)
+            return None
+        return owner
 
     async def run_logged(
         self,
@@ -163,18 +244,49 @@ class MemoryRuns:
         messages: Sequence[BaseMessage],
         context: FusionContext,
         store: BaseStore,
+        *,
+        owner: str | None = None,
     ) -> list[RouteRecord]:
         """A detached run: after the thread's step in flight, run the jobs, then log them as done.
 
-        If the process dies first the entry stays pending, and the run is picked up again.
+        If the process dies first the entry stays pending, and the run is picked up
+        again. With a shared claim (``owner``), a heartbeat keeps the claim while the
+        run lives; a run whose claim lapsed (its loop froze, its worker stalled) and
+        was taken over writes nothing, so no job is written twice.
         """
         await background.steps_settled(ticket.thread_id, timeout=self.timeout_s)
-        records = await self.run(ticket, messages, context, store, config=None)
+        shared = self.resolver.shared if owner is not None else None
+        heartbeat = None
+        if shared is not None and owner is not None:
+            heartbeat = asyncio.ensure_future(_keep_claim(shared, ticket.key, owner, self.claim_lease_s))
+
+        async def still_ours() -> bool:
+            if shared is None or owner is None:
+                return True
+            try:
+                return await shared.renew_job(ticket.key, owner, self.claim_lease_s)
+            except SharedStateUnavailable:
+                return True  # nobody else can claim it through an unreachable database either
+
         try:
-            await write_entry(store, ticket, done_entry(entry, records))
-        except Exception:
-            logger.exception("logging memory job %s as done failed; it will run again", ticket.key)
-        return records
+            records = await self.run(ticket, messages, context, store, config=None, still_ours=still_ours)
+            if not await still_ours():
+                logger.warning(
+                    "memory job %s was taken over by another worker; its run here is dropped", ticket.key
+                )
+                return records
+            try:
+                await write_entry(store, ticket, done_entry(entry, records))
+            except Exception:
+                logger.exception("logging memory job %s as done failed; it will run again", ticket.key)
+                return records
+            if shared is not None and owner is not None:
+                with contextlib.suppress(SharedStateUnavailable):
+                    await shared.finish_job(ticket.key, owner)
+            return records
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
 
     async def run(
         self,
@@ -184,8 +296,12 @@ class MemoryRuns:
         store: BaseStore,
         *,
         config: RunnableConfig | None,
+        still_ours: Callable[[], Awaitable[bool]] | None = None,
     ) -> list[RouteRecord]:
-        """Every job of one run (each bounded by ``memory_timeout_s``); their records, never raises."""
+        """Every job of one run (each bounded by ``memory_timeout_s``); their records, never raises.
+
+        ``still_ours`` is asked before a job writes to the store (a shared claim's owner check).
+        """
         chain = await self.resolver.chain(context)
 
         runner = JobRunner(
@@ -212,6 +328,8 @@ class MemoryRuns:
             except TimeoutError:
                 result, records, dropped = None, [], f"timed out after {self.timeout_s} s"
             stored: list[dict[str, Any]] = []
+            if result is not None and still_ours is not None and not await still_ours():
+                result, dropped = None, "taken over by another worker: not written here"
             if result is not None:
                 try:
                     stored = await store_items(store, job, result, ticket=ticket)
@@ -245,11 +363,11 @@ class MemoryRuns:
         if graph.checkpointer is None:
             raise ValueError("sweep needs the graph's checkpointer: it reads each thread's messages from it")
         context = ensure_context(context)
-        now = time.time()
         count = 0
-        for ns, entry in await pending_everywhere(store):
-            ticket = ticket_of(entry, ns)
-            if not needs_rerun(entry, now=now, running_here=background.running_here(ticket.key)):
+        everywhere = await pending_everywhere(store)
+        stale = {id(entry) for entry in await self._to_rerun(everywhere)}
+        for ns, entry in everywhere:
+            if id(entry) not in stale:
                 continue
             snapshot = await graph.aget_state({"configurable": {"thread_id": entry["thread_id"]}})
             task = await self._rerun(entry, ns, snapshot.values.get("messages", []), context, store)

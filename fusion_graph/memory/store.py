@@ -18,7 +18,9 @@ from fusion_graph.memory.jobs import MEMORY_MESSAGE_NAME, JobTicket, MemoryJob
 logger = logging.getLogger(__name__)
 
 NAMESPACE_ROOT = "fusion_memories"
-JOBS_NAMESPACE_ROOT = f"{NAMESPACE_ROOT}_jobs"
+#: The job log's root: neither it nor ``NAMESPACE_ROOT`` is a string prefix of the other, as some
+#: stores match namespace prefixes as strings (a search of the memories never finds the job log).
+JOBS_NAMESPACE_ROOT = "fusion_jobs"
 
 
 def namespace(assistant_id: str, user_id: str) -> tuple[str, ...]:
@@ -46,10 +48,15 @@ def namespace_of(config: RunnableConfig, graph_name: str) -> tuple[str, ...]:
 
 
 async def recall(store: BaseStore, ns: tuple[str, ...], query: str, limit: int) -> list[SearchItem]:
-    """The ``limit`` most relevant memories (semantic score when the store has an index), newest first."""
+    """The ``limit`` most relevant memories (semantic score when the store has an index), newest first.
+
+    Only items whose namespace is exactly ``ns``: a store that matches prefixes as
+    strings would otherwise hand user ``anon`` the memories of user ``anonymous``.
+    """
     if limit <= 0:
         return []
     found = await store.asearch(ns, query=query or None, limit=max(limit * 5, 50))
+    found = [item for item in found if tuple(item.namespace) == tuple(ns)]
     found.sort(key=lambda item: (item.score or 0.0, item.created_at), reverse=True)
     return found[:limit]
 
@@ -101,13 +108,30 @@ async def store_items(
 
 
 async def search_all(
-    store: BaseStore, prefix: tuple[str, ...], filter: dict[str, Any], page: int = 200
+    store: BaseStore,
+    prefix: tuple[str, ...],
+    filter: dict[str, Any],
+    page: int = 200,
+    *,
+    depth: int | None = None,
 ) -> list[SearchItem]:
-    """Every item under ``prefix`` matching ``filter``, page by page."""
+    """Every item under ``prefix`` matching ``filter``, page by page, in namespaces of ``depth`` labels.
+
+    Only namespaces that really start with ``prefix``, label by label, and (``depth``,
+    default ``len(prefix)``: exactly ``prefix``) have that many labels, whatever the
+    store matches.
+    """
+    want = len(prefix) if depth is None else depth
+    seen = 0
     found: list[SearchItem] = []
     while True:
-        batch = await store.asearch(prefix, filter=filter, limit=page, offset=len(found))
-        found.extend(batch)
+        batch = await store.asearch(prefix, filter=filter, limit=page, offset=seen)
+        seen += len(batch)
+        found += [
+            item
+            for item in batch
+            if len(item.namespace) == want and tuple(item.namespace[: len(prefix)]) == tuple(prefix)
+        ]
         if len(batch) < page:
             return found
 

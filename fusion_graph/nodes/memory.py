@@ -6,11 +6,15 @@ pending, detaches it and returns at once; the run marks itself done with its
 records, which the next ``memory`` node or plan step of the thread folds into
 ``route_log`` once. The plan step also re-runs pending runs that no live
 process is doing (a crash, a process exit), and ``sweep`` does so for every
-thread of a graph.
+thread of a graph. With shared state a run is claimed by one worker, which
+keeps the claim by heartbeat; under a server whose runs each have a loop of
+their own (``BG_JOB_ISOLATED_LOOPS``) the node waits for its jobs (within
+their lease), since a task left on that loop would freeze with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -143,12 +147,16 @@ class MemoryNodes:
         if context.memory_mode == "inline":
             records = await self.runs.run(ticket, messages, context, store, config=config)
             return records_update(records, runtime)
+        owner = await self.runs.claim(ticket)  # with shared state: this worker runs it, nobody else
         entry = memory.pending_entry(ticket, self.runs.memory_jobs, lease_s=self.runs.lease_s)
         try:
             await memory.write_entry(store, ticket, entry)
         except Exception:
             logger.exception("writing memory job %s as pending failed; running it anyway", ticket.key)
-        memory.detach(self.runs.run_logged(ticket, entry, messages, context, store), key=ticket.key)
+        run = self.runs.run_logged(ticket, entry, messages, context, store, owner=owner)
+        task = memory.detach(run, key=ticket.key)
+        if not memory.loop_outlives_run():  # this run's loop stops with it: see the jobs through here
+            await asyncio.wait({task}, timeout=self.runs.lease_s)
         try:
             entries = await memory.thread_entries(store, ticket.namespace, ticket.thread_id)
         except Exception:

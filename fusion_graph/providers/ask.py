@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config, merge_configs
@@ -130,15 +131,28 @@ _BOUND: weakref.WeakKeyDictionary[ChainLink, tuple[tuple[int, ...], Runnable[Any
 )
 
 
-def bound_model(link: ChainLink, tools: Sequence[BaseTool]) -> Runnable[Any, Any]:
-    """``link.model`` with ``tools`` bound, built once per link and tool list."""
+#: The same for the models that reach one box directly (a placement's ``model``), by identity.
+_BOUND_BOX: dict[int, tuple[BaseChatModel, tuple[int, ...], Runnable[Any, Any]]] = {}
+
+
+def bound_model(
+    link: ChainLink, tools: Sequence[BaseTool], model: BaseChatModel | None = None
+) -> Runnable[Any, Any]:
+    """``link.model`` (or ``model``, a box's own) with ``tools`` bound, built once per model and tool list."""
     key = tuple(id(tool) for tool in tools)
+    if model is not None:
+        known = _BOUND_BOX.get(id(model))
+        if known is not None and known[0] is model and known[1] == key:
+            return known[2]
+        bound: Runnable[Any, Any] = model.bind_tools(list(tools)) if tools else model
+        _BOUND_BOX[id(model)] = (model, key, bound)
+        return bound
     cached = _BOUND.get(link)
     if cached is not None and cached[0] == key:
         return cached[1]
-    model: Runnable[Any, Any] = link.model.bind_tools(list(tools)) if tools else link.model
-    _BOUND[link] = (key, model)
-    return model
+    bound = link.model.bind_tools(list(tools)) if tools else link.model
+    _BOUND[link] = (key, bound)
+    return bound
 
 
 def served_box(answer: Any) -> str | None:
@@ -289,7 +303,7 @@ async def ask(
     async def invoke(link: ChainLink) -> AIMessage:
         placement = await placed(link)
         kwargs = request_kwargs(link, call, placement, bounds)
-        model = bound_model(link, call.tools)
+        model = bound_model(link, call.tools, placement.model)
         config = call_config(call, link)
 
         def once() -> Awaitable[AIMessage]:

@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage
@@ -175,6 +175,23 @@ def scrub_answer(answer: T) -> T:
     return cast(T, answer.model_copy(update={"content": content, "tool_calls": calls}))
 
 
+class HealthBoard(Protocol):
+    """Where the circuits of a deployment's worker processes meet (``shared_state.SharedState``)."""
+
+    def cooldown(self, provider: str) -> tuple[float, str | None] | None:
+        """A cooldown some worker announced for ``provider``: wall-clock end and last error."""
+        ...
+
+    async def publish_cooldown(self, provider: str, until: float | None, error: str | None) -> None:
+        """Announce that ``provider`` cools down until ``until`` (wall clock; ``None``: recovered)."""
+        ...
+
+
+def board_key(link: ChainLink) -> str:
+    """A link as every worker process names it: its id and endpoint."""
+    return f"{link.id}@{link.as_provider().base_url or ''}"
+
+
 class ProviderChain:
     """Ordered providers across both legs: health, fallover, an operator override and lifecycle.
 
@@ -192,8 +209,14 @@ class ProviderChain:
         clock: Clock = time.monotonic,
         wall_clock: Clock = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        board: HealthBoard | None = None,
     ) -> None:
-        """Build a chain; ``clock`` times cooldowns, ``wall_clock`` reads HTTP-date Retry-After."""
+        """Build a chain; ``clock`` times cooldowns, ``wall_clock`` reads HTTP-date Retry-After.
+
+        ``board``: where cooldowns are shared with the deployment's other worker
+        processes (``SharedState``); ``None`` keeps them in this process.
+        """
+        self._board = board
         self._policy, self._retry = policy or HealthPolicy(), retry or RetryPolicy()
         self._clock, self._wall_clock, self._sleep = clock, wall_clock, sleep
         self._links: list[ChainLink] = []
@@ -217,11 +240,16 @@ class ProviderChain:
             clock=self._clock,
             wall_clock=self._wall_clock,
             sleep=self._sleep,
+            board=self._board,
         )
         view._health = {link: self._health[link] for link in view._links}
         view._override = self._override if self._override in {link.id for link in view._links} else None
         view._owns_links = False
         return view
+
+    def share_health(self, board: HealthBoard | None) -> None:
+        """Share cooldowns through ``board`` from now on (``None``: keep them in this process)."""
+        self._board = board
 
     def _install(self, links: Sequence[ChainLink]) -> list[ChainLink]:
         ids = [link.id for link in links]
@@ -316,9 +344,26 @@ class ProviderChain:
             except Exception:
                 logger.exception("closing provider %s failed", link.id)
 
+    def _adopt_shared(self) -> None:
+        """Take the cooldowns other worker processes announced (``board``) into the links' circuits."""
+        if self._board is None:
+            return
+        now, wall = self._clock(), self._wall_clock()
+        for link in self._links:
+            shared = self._board.cooldown(board_key(link))
+            if shared is None:
+                continue
+            until, error = shared
+            health = self._health[link]
+            local_until = now + (until - wall)
+            if health.cooldown_until is None or health.cooldown_until < local_until:
+                health.cooldown_until, health.failures = local_until, []
+                health.last_error = error or health.last_error
+
     def _start(
         self, leg: Leg | None, provider_id: str | None, fits: Callable[[ChainLink], bool]
     ) -> tuple[ChainLink | None, bool]:
+        self._adopt_shared()
         now = self._clock()
         first_of_leg = [x for x in self._links if x.leg == leg and fits(x)][:1]
         for link in [x for x in self._links if x.id == provider_id and fits(x)] + first_of_leg:
@@ -409,7 +454,10 @@ class ProviderChain:
             try:
                 return await invoke(link)
             except Exception as error:
+                before = health.cooldown_until
                 attempts.append(self._failed(link, health, error, started, reported))
+                if health.cooldown_until is not None and health.cooldown_until != before:
+                    await self._announce(link, health)
                 if on_attempt is not None:
                     on_attempt(attempts[-1])
                 raise
@@ -430,10 +478,23 @@ class ProviderChain:
                 answer = await retrying(once)
             if health_probe:
                 health.recovered()
+                await self._announce(link, health)
             return answer, reported
         finally:
             health.probing = health.probing and not health_probe
             await self.release(link)
+
+    async def _announce(self, link: ChainLink, health: Health) -> None:
+        """Tell the other worker processes a link's circuit opened (or closed); never fails the call."""
+        if self._board is None:
+            return
+        until = None
+        if health.cooldown_until is not None:
+            until = self._wall_clock() + (health.cooldown_until - self._clock())
+        try:
+            await self._board.publish_cooldown(board_key(link), until, health.last_error)
+        except Exception as error:  # noqa: BLE001 - the other workers learn it themselves then
+            logger.warning("announcing %s's cooldown failed: %s", link.id, scrub(str(error)))
 
     def _failed(
         self, link: ChainLink, health: Health, error: Exception, start: float, probe: bool

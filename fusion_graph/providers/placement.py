@@ -9,21 +9,31 @@ box pin where the placer chose the box) with the request. After the answer,
 ``InProcessPlacement`` keeps the slot table in this process (``SlotPool``, or
 ``BoxSlots`` behind a gateway): right for an embedded graph and one server
 process. A deployment of several worker processes shares its placement
-through the deployment's own store instead (``fusion_graph.providers.leases``),
-behind the same two methods.
+through the deployment's Postgres instead (``SharedPlacement`` over
+``fusion_graph.shared_state``), behind the same two methods: a new thread takes
+a free slot on the box with the fewest threads, and its requests go straight
+to that box, so boxes fill evenly whatever a gateway's tie-breaking does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from langchain_core.language_models import BaseChatModel
+
 from fusion_graph.providers.chain import ChainLink
 from fusion_graph.providers.llama_server import ServerProps
-from fusion_graph.providers.slots import BoxSlots, SlotPool, routing_key
+from fusion_graph.providers.slots import BoxSlots, SlotPool, box_name, routing_key
 from fusion_graph.routing import Leg
 from fusion_graph.settings import FusionSettings
+from fusion_graph.shared_state import SharedState, SharedStateUnavailable, SlotClaim
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,12 +45,15 @@ class Placement:
         headers: Headers the request carries (the routing key; a box pin), ``None``: none.
         box: The box the placer chose (``None``: the gateway places it).
         notes: What the record keeps about the placement (``extra``), e.g. a fallback's reason.
+        model: The model that reaches ``box`` directly (``None``: the link's own model).
     """
 
     slot: int | None = None
     headers: Mapping[str, str] | None = None
     box: str | None = None
     notes: Mapping[str, Any] = field(default_factory=dict)
+    model: BaseChatModel | None = None
+    """The model that reaches ``box`` directly (``None``: the link's own model)."""
 
     def body(self, leg: Leg) -> dict[str, Any] | None:
         """The request-body fields of the placement (``slot_body``); ``None`` off a local slot."""
@@ -164,3 +177,107 @@ class InProcessPlacement:
         """Learn a gateway's box for the thread (per-box slots); returns the box it moved from."""
         pool = await self.pool(link)
         return pool.served(thread_id, box) if isinstance(pool, BoxSlots) else None
+
+
+#: Builds (once per box) the model that reaches a box directly, from its base URL without ``/v1``.
+BoxModel = Callable[[str], Awaitable[BaseChatModel]]
+#: Seconds a guest (every slot was held) waits before it asks for a slot of its own again.
+GUEST_RETRY_S = 5.0
+
+
+class SharedPlacement:
+    """Slot leases every worker process agrees on, with this process's own table as the fallback.
+
+    A thread's lease is claimed once and then used from this process's copy until
+    half of it has run; the next use renews it (a lease is renewed by use, not by
+    a round trip on every step). When several boxes serve the local leg
+    (``local_workers``), the placement names the box and the request goes to it
+    directly (``box_model``): a gateway cannot be told which box to use. When the
+    database cannot be reached, requests are placed by ``fallback`` and the
+    record says so (``extra.placement``); a turn never fails over it.
+    """
+
+    def __init__(
+        self,
+        state: SharedState,
+        fallback: InProcessPlacement,
+        *,
+        boxes: tuple[str, ...],
+        box_model: BoxModel | None,
+    ) -> None:
+        """Lease slots in ``state`` over ``boxes`` (base URLs); ``box_model`` reaches one directly."""
+        self.state, self.fallback = state, fallback
+        self.boxes = tuple(box_name(box) for box in boxes)
+        self.box_model = box_model
+        self._held: dict[tuple[str, str], tuple[SlotClaim, float]] = {}
+
+    def _pool(self, link: ChainLink) -> tuple[str, tuple[str, ...]]:
+        """The pool's name (the local endpoint) and its boxes."""
+        url = link.as_provider().base_url or link.id
+        boxes = self.boxes or (box_name(url),)
+        return url, boxes
+
+    async def _claim(
+        self, link: ChainLink, pool: str, boxes: tuple[str, ...], holder: str
+    ) -> SlotClaim | None:
+        """The thread's claim: from this process's copy while it is fresh, else from the database."""
+        known = self._held.get((pool, holder))
+        if known is not None and time.monotonic() < known[1]:
+            return known[0]
+        slots = await self.fallback.pool(link)  # the slot count: local_slots, or the box's /props
+        if slots is None:
+            return None
+        settings = self.fallback.settings
+        claim = await self.state.claim_slot(
+            pool,
+            boxes,
+            slots.conversation_slots,
+            holder,
+            settings.slot_lease_s,
+            SlotPool(slots.total_slots).preferred_slot(holder) if slots.total_slots > 1 else 0,
+        )
+        fresh_for = GUEST_RETRY_S if claim.guest else settings.slot_lease_s / 2
+        self._held[(pool, holder)] = (claim, time.monotonic() + fresh_for)
+        if len(self._held) > 65_536:  # forget the oldest entries of a long-lived process
+            for key in list(self._held)[:1024]:
+                del self._held[key]
+        return claim
+
+    async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
+        """The thread's leased slot (or its box's reflection slot), straight to its box."""
+        if link.leg != "local":
+            return NOWHERE
+        pool, boxes = self._pool(link)
+        holder = routing_key(thread_id)
+        try:
+            if reflection:
+                slots = await self.fallback.pool(link)
+                if slots is None:
+                    return await self.fallback.place(link, thread_id, reflection=True)
+                known = self._held.get((pool, holder))
+                box = known[0].box if known is not None else await self.state.box_of(pool, holder)
+                claim = SlotClaim(box or boxes[0], slots.reflection_slot)
+            else:
+                found = await self._claim(link, pool, boxes, holder)
+                if found is None:
+                    return await self.fallback.place(link, thread_id)
+                claim = found
+        except SharedStateUnavailable as error:
+            placed = await self.fallback.place(link, thread_id, reflection=reflection)
+            logger.warning("placing a local request in this process only: %s", error)
+            return dataclasses.replace(placed, notes={"placement": f"in-process: {error}"})
+        model = await self.box_model(claim.box) if self.box_model is not None and len(boxes) > 1 else None
+        notes: dict[str, Any] = {"placement": "shared", "box": claim.box}
+        if claim.guest:
+            notes["guest"] = True  # every slot was held: this request borrows the least recently used one
+        return Placement(
+            slot=claim.slot,
+            headers=self.fallback.headers(link, thread_id),
+            box=claim.box,
+            notes=notes,
+            model=model,
+        )
+
+    async def served(self, link: ChainLink, thread_id: str, box: str) -> str | None:
+        """Nothing to learn: the placement chose the box itself."""
+        return None

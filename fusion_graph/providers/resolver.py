@@ -22,17 +22,18 @@ from langchain_core.language_models import BaseChatModel
 
 from fusion_graph.budget import CloudBudget, cloud_budget
 from fusion_graph.context import FusionContext
-from fusion_graph.errors import ContextError
-from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.errors import ContextError, ProviderConfigError
+from fusion_graph.providers.chain import ChainLink, ProviderChain, close_chat_model
 from fusion_graph.providers.discovery import LocalServers
 from fusion_graph.providers.health import HealthPolicy
 from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.models import Provider, build_cloud_model, build_local_model, model_name
-from fusion_graph.providers.placement import InProcessPlacement, Placer
+from fusion_graph.providers.placement import InProcessPlacement, Placer, SharedPlacement
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
 from fusion_graph.providers.slots import BoxSlots, SlotPool
 from fusion_graph.routing import Leg
 from fusion_graph.settings import FusionSettings
+from fusion_graph.shared_state import SharedState
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,23 @@ class ProviderResolver:
         self.local_slots = InProcessPlacement(self.settings, self.servers.props, gateway=self.servers.gateway)
         #: Where every local request goes (``Placer``): this process's slot table unless shared.
         self.placement: Placer = self.local_slots
+        #: What the deployment's worker processes share (``shared_state="postgres"``), else ``None``.
+        self.shared: SharedState | None = None
+        self._box_models: dict[str, BaseChatModel] = {}
+        url = self.settings.shared_url()
+        if self.settings.shared_state != "off" and url is None:
+            raise ProviderConfigError(
+                "shared_state='postgres' needs a database: set FUSION_SHARED_STATE_URL "
+                "(a LangGraph server sets DATABASE_URI, which is used when it is empty)"
+            )
+        if url is not None:
+            self.shared = SharedState(url)
+            boxes = self.settings.local_workers if self.servers.gateway else ()
+            self.placement = SharedPlacement(
+                self.shared, self.local_slots, boxes=boxes, box_model=self._box_model if boxes else None
+            )
+            if chain is not None:
+                chain.share_health(self.shared)
 
     def check_bounds(self, context: FusionContext) -> None:
         """Refuse a run context past the operator's size bounds (``ContextError``): the system prompt."""
@@ -204,7 +222,7 @@ class ProviderResolver:
             key = (tuple(id(link) for link in links), policy, settings.override_provider)
             chain = self._chains.get(key)
             if chain is None:
-                chain = ProviderChain(links, policy=policy)
+                chain = ProviderChain(links, policy=policy, board=self.shared)
                 if settings.override_provider is not None:
                     try:
                         chain.set_override(settings.override_provider)
@@ -240,9 +258,23 @@ class ProviderResolver:
         """The slot pool of a local llama-server link in this process (``InProcessPlacement.pool``)."""
         return await self.local_slots.pool(link)
 
+    async def _box_model(self, box: str) -> BaseChatModel:
+        """The local model that reaches ``box`` directly (built once per box, like the gateway's)."""
+        model = self._box_models.get(box)
+        if model is None:
+            settings = self.settings.model_copy(update={"local_base_url": f"{box}/v1", "local_workers": ()})
+            # Building HTTP clients reads certificate files: keep it off the event loop.
+            model = self._box_models[box] = await asyncio.to_thread(build_local_model, settings)
+        return model
+
     async def aclose(self) -> None:
-        """Close every chain and every link (each exactly once); later runs are refused."""
+        """Close every chain, link (each exactly once) and the shared state; later runs are refused."""
         self._closed = True
+        for model in self._box_models.values():
+            await close_chat_model(model)
+        self._box_models.clear()
+        if self.shared is not None:
+            await self.shared.aclose()
         chains = list(self._chains.values()) + ([self._fixed_chain] if self._fixed_chain else [])
         for chain in chains:
             await chain.aclose()

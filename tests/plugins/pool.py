@@ -67,17 +67,23 @@ class LlamaPool:
 
 @contextmanager
 def start_llama_pool(
-    model: Path, *, llama_bin: Path, smg_bin: Path, logs: Path, boxes: int = POOL_BOXES
+    model: Path,
+    *,
+    llama_bin: Path,
+    smg_bin: Path,
+    logs: Path,
+    boxes: int = POOL_BOXES,
+    slots: int = POOL_SLOTS,
 ) -> Iterator[LlamaPool]:
-    """Starts ``boxes`` llama-servers and a gateway; stops all of them on exit, also on failure."""
+    """Starts ``boxes`` llama-servers of ``slots`` slots and a gateway; stops all of them on exit."""
     with ExitStack() as stack:
         started = []
         for index in range(boxes):
             server = LlamaServer(
                 model,
                 binary=llama_bin,
-                n_slots=POOL_SLOTS,
-                ctx_size=POOL_SLOTS * POOL_SLOT_CTX,
+                n_slots=slots,
+                ctx_size=slots * POOL_SLOT_CTX,
                 extra_args=["--alias", POOL_MODEL],
                 log_path=logs / f"box{index}.log",
             )

@@ -21,7 +21,7 @@ from fusion_graph.errors import ContextError
 from fusion_graph.settings import FusionSettings
 from tests.plugins.fakes import scripted, user_input
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 FIELD_NAMES = [f.name for f in dataclasses.fields(FusionContext)]
 
 
@@ -189,8 +189,8 @@ def test_context_fields_match_the_dataclass() -> None:
     assert kinds["workspace_root"] == "string | null"
 
 
-def test_readme_has_a_row_with_the_scope_of_every_field() -> None:
-    text = README.read_text(encoding="utf-8")
+def test_the_configuration_doc_has_a_row_with_the_scope_of_every_field() -> None:
+    text = CONFIGURATION.read_text(encoding="utf-8")
     rows = [line for line in text.splitlines() if line.lstrip().startswith("|")]
     expected = [(name, "run") for name in FIELD_NAMES] + [
         (name, "operator") for name in FusionSettings.model_fields
@@ -200,7 +200,7 @@ def test_readme_has_a_row_with_the_scope_of_every_field() -> None:
         for name, scope in expected
         if not any(re.match(rf"\|\s*`{name}`\s*\|\s*{scope}\s*\|", row) for row in rows)
     ]
-    assert not missing, f"README.md has no configuration table row for: {', '.join(missing)}"
+    assert not missing, f"docs/configuration.md has no table row for: {', '.join(missing)}"
 
 
 # --------------------------------------------------------------------------- the calibrated dial's fields

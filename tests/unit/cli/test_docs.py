@@ -1,4 +1,4 @@
-"""Generated docs and deployment files: ``.env.example`` and the README table, what git and docker ignore."""
+"""The docs: the generated configuration table and ``.env.example``, ignore files, links that resolve."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from fusion_graph.settings import ENV_PREFIX, FusionSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 SETTING = re.compile(rf"^# ({ENV_PREFIX}[A-Z0-9_]+)=(.*)$")
 
 
@@ -131,13 +132,108 @@ def test_docker_build_context_leaves_out_secrets_and_local_state(path: str, igno
     assert docker_ignored(path, patterns) is ignored
 
 
-# --------------------------------------------------------------------------- the README table
+# --------------------------------------------------------------------------- the configuration table
 
 
-def test_readme_table_is_generated_from_the_context() -> None:
+def test_the_configuration_table_is_generated_from_the_context() -> None:
     from fusion_graph.cli.docs import render_readme_table
 
-    text = README.read_text(encoding="utf-8")
+    text = CONFIGURATION.read_text(encoding="utf-8")
     assert render_readme_table(text) == text, (
-        "README table is stale: run `python -m fusion_graph.cli.docs README.md`"
+        "docs/configuration.md table is stale: run "
+        "`python -m fusion_graph.cli.docs docs/configuration.md .env.example`"
+    )
+
+
+# --------------------------------------------------------------------------- README and docs/
+
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
+CODE_SPAN = re.compile(r"(`+).+?\1", re.DOTALL)
+INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE_USE = re.compile(r"\[(?:[^\[\]]|\[[^\[\]]*\])*\]\[([^\[\]]+)\]")
+REFERENCE_DEF = re.compile(r"^ {0,3}\[([^\]]+)\]:\s*(\S+)", re.MULTILINE)
+HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+
+
+def prose(text: str) -> str:
+    """``text`` without fenced code blocks (kept as blank lines) and inline code."""
+    text = FENCE.sub(lambda m: "\n" * m[0].count("\n"), text)
+    return CODE_SPAN.sub("code", text)
+
+
+def anchors(path: Path) -> set[str]:
+    """The ``#anchors`` GitHub gives the headings of a markdown file (duplicates get ``-1``, ...)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in HEADING.findall(FENCE.sub("", path.read_text(encoding="utf-8"))):
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+        slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(f"{slug}-{count}" if count else slug)
+    return found
+
+
+def links(path: Path) -> list[str]:
+    """Every link target in a markdown file: inline links and reference definitions."""
+    text = prose(path.read_text(encoding="utf-8"))
+    return INLINE_LINK.findall(text) + [target for _, target in REFERENCE_DEF.findall(text)]
+
+
+def broken(path: Path, target: str) -> str | None:
+    """Why ``target`` (a link in ``path``) does not resolve, or ``None`` when it does."""
+    if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
+        return None  # an address outside the repository
+    file, _, anchor = target.partition("#")
+    where = (path.parent / file).resolve() if file else path
+    if not where.exists():
+        return f"{target}: no file {where.relative_to(ROOT) if where.is_relative_to(ROOT) else where}"
+    if anchor and where.suffix == ".md" and anchor not in anchors(where):
+        return f"{target}: no heading #{anchor} in {where.relative_to(ROOT)}"
+    return None
+
+
+def test_the_anchors_are_githubs() -> None:
+    page = ROOT / "bench" / "README.md"
+    assert "kv-cache-reuse-through-a-gateway-benchkvreusepy---gateway" in anchors(page)
+    assert "langgraph-studio--langgraph-dev" in anchors(README)
+    assert "docs/configuration.md" in links(README), "the link pattern finds the README's links"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_internal_link_resolves(path: Path) -> None:
+    problems = [why for target in links(path) if (why := broken(path, target))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_reference_link_is_defined(path: Path) -> None:
+    text = prose(path.read_text(encoding="utf-8"))
+    defined = {name.lower() for name, _ in REFERENCE_DEF.findall(text)}
+    used = {name.lower() for name in REFERENCE_USE.findall(text)}
+    assert used <= defined, f"undefined references: {sorted(used - defined)}"
+
+
+def test_every_doc_is_reachable_from_the_readme() -> None:
+    reached, todo = {README}, [README]
+    while todo:
+        page = todo.pop()
+        for target in links(page):
+            file = target.partition("#")[0]
+            where = (page.parent / file).resolve()
+            if file.endswith(".md") and where.is_relative_to(ROOT / "docs") and where not in reached:
+                reached.add(where)
+                todo.append(where)
+    assert set(DOCS) <= reached, f"not linked from the README or its docs: {sorted(set(DOCS) - reached)}"
+
+
+def test_the_readme_is_a_first_screen_with_the_ci_test_command() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) < 350, "reference material belongs in docs/"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    command = next(line for line in reversed(ci) if line.strip() and not line.startswith("#"))
+    blocks = "\n".join(m[0] for m in FENCE.finditer(text))
+    assert re.search(rf"^{re.escape(command)}(\s|$)", blocks, re.MULTILINE), (
+        f"README.md shows the test command CI runs ({command}) in a code block"
     )
