@@ -212,8 +212,17 @@ class Streamed:
 class Turn:
     """One turn sent through one worker's API, by ``runs.wait`` or by a ``messages`` stream."""
 
-    def __init__(self, client: Any, assistant: str, thread_id: str, text: str, mode: str) -> None:
+    def __init__(
+        self,
+        client: Any,
+        assistant: str,
+        thread_id: str,
+        text: str,
+        mode: str,
+        context: dict[str, Any] | None = None,
+    ) -> None:
         self.client = client
+        self.context = CONTEXT if context is None else context
         self.assistant = assistant
         self.thread_id = thread_id
         self.text = text
@@ -234,7 +243,7 @@ class Turn:
                 self.thread_id,
                 self.assistant,
                 input=payload,
-                context=CONTEXT,
+                context=self.context,
                 raise_error=False,
                 on_run_created=self._created,
             )
@@ -244,7 +253,7 @@ class Turn:
             self.thread_id,
             self.assistant,
             input=payload,
-            context=CONTEXT,
+            context=self.context,
             stream_mode="messages",
             on_run_created=self._created,
         ):

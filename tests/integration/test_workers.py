@@ -57,15 +57,6 @@ def local_steps(log: list[dict[str, Any]], turn: int) -> list[dict[str, Any]]:
     return [r for r in log if r["turn"] == turn and r["kind"] != "memory" and r["leg"] == "local"]
 
 
-@pytest.fixture(name="own_server_9")
-def own_server_9_fixture(llama_server_bin: Path, tiny_model: Path, tmp_path: Path) -> Iterator[LlamaServer]:
-    """A llama-server of 9 slots (8 for conversations, 1 for memory jobs) for one test alone."""
-    with LlamaServer(
-        tiny_model, binary=llama_server_bin, n_slots=9, ctx_size=9 * 2048, log_path=tmp_path / "box.log"
-    ) as server:
-        yield server
-
-
 @pytest.fixture(name="tight_pool")
 def tight_pool_fixture(
     llama_server_bin: Path, tiny_model: Path, smg_bin: Path, tmp_path: Path
@@ -95,9 +86,9 @@ async def alternate(
 
 
 async def test_a_threads_turns_on_two_workers_find_its_history_in_one_llama_servers_cache(
-    postgres_db: str, own_server_9: LlamaServer, tmp_path: Path
+    postgres_db: str, llama_server_9: LlamaServer, tmp_path: Path
 ) -> None:
-    env = shared_env(postgres_db, FUSION_LOCAL_BASE_URL=own_server_9.openai_base_url)
+    env = shared_env(postgres_db, FUSION_LOCAL_BASE_URL=llama_server_9.openai_base_url)
     threads = [f"shared-thread-{i}" for i in range(THREADS)]
     async with start_workers(postgres_db, env, tmp_path) as workers:
         logs = await alternate(workers, threads, turns=3)

@@ -87,3 +87,12 @@ def own_llama_server(
     log = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]) / "server.log"
     with LlamaServer(tiny_model, binary=llama_server_bin, n_slots=N_SLOTS, log_path=log) as server:
         yield server
+
+
+@pytest.fixture
+def llama_server_9(llama_server_bin: Path, tiny_model: Path, tmp_path: Path) -> Iterator[LlamaServer]:
+    """A llama-server of 9 slots (8 for conversations, 1 for memory jobs) for one test alone."""
+    with LlamaServer(
+        tiny_model, binary=llama_server_bin, n_slots=9, ctx_size=9 * 2048, log_path=tmp_path / "llama9.log"
+    ) as server:
+        yield server

@@ -1,0 +1,152 @@
+"""The deployment users grow into: a multi-process LangGraph server with the state its workers share.
+
+Two ``langhost serve`` workers on one Postgres and one Redis serve the graph of
+``langgraph.json`` with ``FUSION_SHARED_STATE=postgres`` (the workers' own
+``DATABASE_URI`` holds the shared tables). The queue hands each run to whichever
+worker is free, so a thread's turns run in both processes: its llama-server slot
+must be the same in each, and a memory job left by a killed worker must be
+finished once by the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langgraph_sdk import get_client
+
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+from fusion_graph_testing.llama_server import LlamaServer
+from tests.integration.test_langgraph_server_harness import (
+    WAIT_S,
+    Turn,
+    assert_unique_ids,
+    assistant_of,
+    bounded,
+    until,
+)
+from tests.plugins.langgraph_server import StartServer
+
+#: Every step local, short answers (the tiny model), no memory jobs: one request per turn.
+LOCAL = {"mode": "local", "max_completion_tokens": 16, "sub_runners": "off"}
+GOOD = json.dumps({"items": [{"kind": "fact", "text": "The user prefers tabs."}]})
+
+
+def shared(**settings: str) -> dict[str, str]:
+    """Operator settings of a deployment whose workers share their state in the server's Postgres."""
+    return {
+        "OPENAI_API_KEY": "sk-operator-key-of-the-fake-cloud",
+        "FUSION_SHARED_STATE": "postgres",
+        **settings,
+    }
+
+
+@pytest.mark.parametrize("mode", ["wait", "stream"])
+async def test_threads_whose_turns_run_on_both_server_workers_stay_warm_on_one_llama_server(
+    start_langgraph_server: StartServer, llama_server_9: LlamaServer, tmp_path: Path, mode: str
+) -> None:
+    with FakeOpenAI([Reply(content="cloud")]) as cloud:
+        server = start_langgraph_server(
+            shared(
+                FUSION_CLOUD_BASE_URL=cloud.base_url, FUSION_LOCAL_BASE_URL=llama_server_9.openai_base_url
+            ),
+            workers=2,
+        )
+        clients: list[Any] = [get_client(url=url) for url in server.urls]
+        assistant = await assistant_of(clients[0])
+        threads = [(await clients[0].threads.create())["thread_id"] for _ in range(8)]
+        workers: dict[str, list[int]] = {t: [] for t in threads}
+        for k in range(2):
+            turns = [
+                Turn(clients[(i + k) % 2], assistant, t, f"turn {k} of thread {i}: summarise it", mode, LOCAL)
+                for i, t in enumerate(threads)
+            ]
+            await bounded(asyncio.gather(*(turn.run() for turn in turns)), f"turn {k}", server)
+            for turn in turns:
+                assert turn.run_id is not None
+                attempts = server.run_attempts(turn.run_id)
+                workers[turn.thread_id].append(attempts[-1].worker)
+        assert cloud.requests == []
+        states = [await clients[0].threads.get_state(t) for t in threads]
+    assert {w for ran in workers.values() for w in ran} == {0, 1}  # the queue used both processes
+    slots = set()
+    for state in states:
+        assert_unique_ids(state["values"])
+        first, second = (r for r in state["values"]["route_log"] if r["kind"] == "plan")
+        assert first["slot"] == second["slot"] != 8 and first["extra"]["placement"] == "shared"
+        assert second["cached_tokens"] >= first["prompt_tokens"] - 1, (first, second)  # warm on turn 2
+        slots.add(first["slot"])
+    assert len(slots) == 8  # no two threads on one slot, whichever worker placed them
+
+
+async def memories(client: Any) -> list[dict[str, Any]]:
+    found = await client.store.search_items(["fusion_memories"], limit=100)
+    return [item for item in found["items"] if item["namespace"][0] == "fusion_memories"]
+
+
+@pytest.mark.parametrize("mode", ["wait", "stream"])
+async def test_a_memory_job_left_by_a_killed_server_worker_is_finished_once_by_the_other(
+    start_langgraph_server: StartServer, tmp_path: Path, mode: str
+) -> None:
+    held = threading.Event()
+    jobs: list[dict[str, Any]] = []
+
+    def local_reply(body: dict[str, Any]) -> Reply:
+        if "response_format" not in body:
+            return Reply(content="local answer")
+        jobs.append(body)
+        return Reply(content=GOOD, hold=held if len(jobs) == 1 else None)  # the first job hangs
+
+    context = {"cloud_share": 30, "memory_mode": "background"}
+    with FakeOpenAI([Reply(content="noted")]) as cloud, FakeOpenAI(local_reply) as local:
+        try:
+            server = start_langgraph_server(
+                shared(
+                    FUSION_CLOUD_BASE_URL=cloud.base_url,
+                    FUSION_LOCAL_BASE_URL=local.base_url,
+                    FUSION_MEMORY_CLAIM_LEASE_S="2",
+                ),
+                workers=2,
+            )
+            client: Any = get_client(url=server.url(0))
+            assistant = await assistant_of(client)
+            thread = (await client.threads.create())["thread_id"]
+            first = Turn(client, assistant, thread, "I prefer tabs.", mode, context)
+            await bounded(first.run(), "the first turn", server)
+            assert first.run_id is not None
+            ran = server.run_attempts(first.run_id)[-1].worker
+
+            async def job_in_flight() -> bool:
+                return len(jobs) == 1
+
+            await until(job_in_flight, "the memory job's request", server)
+            server.kill(ran)  # the worker dies with the job in flight, after its run succeeded
+            other: Any = get_client(url=server.url(1 - ran))
+            await asyncio.sleep(3)  # the dead worker's claim lapses: no heartbeat any more
+            second = Turn(other, assistant, thread, "And spaces?", mode, context)
+            await bounded(second.run(), "the turn after the kill", server)
+
+            async def written() -> bool:
+                return bool(await memories(other))
+
+            await until(written, "the memory the other worker wrote", server)
+            third = Turn(other, assistant, thread, "Thanks.", mode, context)
+            await bounded(third.run(), "the last turn", server)
+            state: Any = await other.threads.get_state(thread)
+        finally:
+            held.set()
+    assert len(jobs) >= 2
+    items = await asyncio.wait_for(memories(other), WAIT_S)
+    first_turn = [item for item in items if item["value"].get("turn") == 0]
+    assert len(first_turn) == 1 and first_turn[0]["value"]["text"] == "The user prefers tabs."  # once
+    folded = [
+        r for r in state["values"]["route_log"] if r["kind"] == "memory" and r["turn"] == 0 and r["provider"]
+    ]
+    assert len(folded) == 1 and folded[0]["extra"]["attempt"] == 2
+    assert_unique_ids(state["values"])
+    humans = [m["content"] for m in state["values"]["messages"] if m["type"] == "human" and not m.get("name")]
+    assert humans == ["I prefer tabs.", "And spaces?", "Thanks."]
