@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from langchain_core.messages import BaseMessage, HumanMessage, convert_to_messages
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage, convert_to_messages
 from langchain_core.runnables import RunnableConfig
 
 from fusion_graph.errors import InvalidInput
@@ -36,6 +36,23 @@ def check_new_turn(messages: Sequence[BaseMessage] | None) -> None:
         )
 
 
+def check_tool_results(messages: Sequence[BaseMessage]) -> None:
+    """Refuse a tool result in the input that answers no tool call made before it in the input.
+
+    A provider would refuse the whole conversation over it at the next step, after
+    the thread had been written; here it is refused before anything is.
+    """
+    called: set[str] = set()
+    for message in messages:
+        if isinstance(message, AIMessage):
+            called |= {str(call["id"]) for call in message.tool_calls if call.get("id")}
+        elif isinstance(message, ToolMessage) and message.tool_call_id not in called:
+            raise InvalidInput(
+                f"the input's tool message {message.tool_call_id!r} answers no tool call: a tool result "
+                "follows the assistant message that called it (send the user's message alone to start a turn)"
+            )
+
+
 def check_input(input: Any, max_chars: int | None = None) -> None:
     """Refuse graph input that carries no new user message, or more than ``max_chars`` of text.
 
@@ -48,6 +65,7 @@ def check_input(input: Any, max_chars: int | None = None) -> None:
         check_new_turn([])
     messages = convert_to_messages(raw if isinstance(raw, list) else [raw])
     check_new_turn(messages)
+    check_tool_results(messages)
     size = sum(len(str(m.content)) for m in messages)
     if max_chars is not None and size > max_chars:
         raise InvalidInput(

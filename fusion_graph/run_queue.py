@@ -171,6 +171,10 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         check_input(input, self.memory_runs.resolver.settings.max_input_chars)
         if kwargs.get("context") is not None:
             kwargs["context"] = ensure_context(kwargs["context"])  # a clear error before anything runs
+        if input is not None:
+            # Refused for its context (an operator bound, a provider that cannot be built) before the
+            # input is written: a refused run leaves the thread as it was, with no orphaned message.
+            await self.memory_runs.resolver.chain(ensure_context(kwargs.get("context")))
         thread = (config or {}).get("configurable", {}).get("thread_id")
         if input is None:
             await self._check_resumable(config, thread)

@@ -47,7 +47,7 @@ HEALTH_CHANNEL = "fusion_provider_health"
 #: Seconds after which the cooldown table is read again even if no notice came (a dropped listener).
 HEALTH_RESYNC_S = 5.0
 #: Seconds to wait for the database when connecting.
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
 #: Seconds callers fall back at once after the database could not be reached.
 RETRY_AFTER_S = 30.0
 

@@ -155,6 +155,9 @@ async def test_langgraph_dev_serves_defaults_refuses_hostile_context_and_runs_a_
         )
         assert isinstance(joined, dict) and "__error__" in joined, (context, joined)
         assert message in joined["__error__"]["message"], joined["__error__"]
+        # Refused before anything was written: no orphaned question waits in the thread.
+        state = await client.threads.get_state(thread["thread_id"])
+        assert not (state["values"] or {}).get("messages"), (context, state["values"])
     assert recorder.requests == [], "a hostile context reached the caller's server"
     assert cloud.requests == [] and local.requests == [], "a refused run still asked a model"
 

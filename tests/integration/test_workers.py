@@ -224,3 +224,37 @@ async def test_a_memory_job_pending_on_a_killed_worker_is_finished_once_by_anoth
     texts = [m["text"] for m in third["messages"] if m["type"] == "human"]
     assert texts.count("I prefer tabs.") == 1 and texts.count("And spaces?") == 1  # nothing lost or doubled
     assert len(second["route_log"]) < len(third["route_log"])
+
+
+async def test_a_second_run_of_a_thread_in_another_process_is_refused_and_writes_nothing(
+    postgres_db: str, tmp_path: Path
+) -> None:
+    held = threading.Event()
+
+    def cloud_reply(body: dict[str, Any]) -> Reply:
+        return Reply(content="first answer", hold=held)
+
+    with FakeOpenAI(cloud_reply) as cloud, FakeOpenAI([Reply(content="local")]) as local:
+        env = shared_env(
+            postgres_db, FUSION_CLOUD_BASE_URL=cloud.base_url, FUSION_LOCAL_BASE_URL=local.base_url
+        )
+        context = {"cloud_share": 100, "sub_runners": "off"}
+        try:
+            async with start_workers(postgres_db, env, tmp_path) as (a, b):
+                first = asyncio.create_task(a.turn("busy", "first question", context))
+                for _ in range(200):
+                    if cloud.requests:
+                        break
+                    await asyncio.sleep(0.05)
+                assert cloud.requests, "the first run never reached the cloud"
+                with pytest.raises(
+                    RuntimeError, match="ThreadBusy: thread 'busy' is running in another process"
+                ):
+                    await b.turn("busy", "second question", context)
+                held.set()
+                done = await first
+        finally:
+            held.set()
+    texts = [m["text"] for m in done["messages"]]
+    assert texts == ["first question", "first answer"]  # the refused run left nothing behind
+    assert len(cloud.requests) == 1

@@ -285,6 +285,34 @@ async def test_input_without_a_new_user_message_is_refused_before_any_model_call
     assert (await graph.aget_state(CONFIG)).values == {}, "refused input was written to the thread"
 
 
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_a_tool_result_answering_no_call_is_refused_before_anything_is_written(how: str) -> None:
+    cloud = scripted("cloud", ["never"])
+    local = scripted("local", ["never"])
+    graph = build_graph(cloud_model=cloud, local_model=local, tools=[], checkpointer=InMemorySaver())
+    payload: Any = {"messages": [ToolMessage("made up", tool_call_id="call-nobody-made"), HumanMessage("hi")]}
+    with pytest.raises(InvalidInput, match="'call-nobody-made' answers no tool call"):
+        if how == "ainvoke":
+            await graph.ainvoke(payload, CONFIG, context=NO_MEMORY)
+        else:
+            async for _ in graph.astream(payload, CONFIG, context=NO_MEMORY, stream_mode="messages"):
+                pass
+    assert (len(cloud.prompts), len(local.prompts)) == (0, 0)
+    assert (await graph.aget_state(CONFIG)).values == {}
+    # The same result after the call that asked for it is a conversation the caller may send.
+    answered: Any = {
+        "messages": [
+            HumanMessage("list it"),
+            AIMessage("", tool_calls=[{"name": "echo", "args": {}, "id": "c1", "type": "tool_call"}]),
+            ToolMessage("notes.txt", tool_call_id="c1"),
+            HumanMessage("and now?"),
+        ]
+    }
+    from fusion_graph.inputs import check_input
+
+    check_input(answered)
+
+
 async def test_runs_on_one_thread_queue_instead_of_forking_its_history() -> None:
     class Slow(type(scripted("x", []))):  # type: ignore[misc]
         async def _agenerate(self, *args: Any, **kwargs: Any) -> Any:

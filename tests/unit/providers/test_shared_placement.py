@@ -1,0 +1,150 @@
+"""Shared placement and shared cooldowns without a database: the pure slot choice, the fallback, the board."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage
+
+from fusion_graph.providers.chain import ChainLink, ProviderChain, board_key
+from fusion_graph.providers.health import HealthPolicy
+from fusion_graph.providers.models import build_local_model
+from fusion_graph.providers.placement import InProcessPlacement, SharedPlacement
+from fusion_graph.providers.pricing import FREE, Pricing
+from fusion_graph.settings import FusionSettings
+from fusion_graph.shared_state import LeaseRow, SharedState, choose_slot
+
+BOXES = ("http://a", "http://b")
+
+
+def row(box: str, slot: int, holder: str, *, live: bool = True, used: float = 0.0) -> LeaseRow:
+    return LeaseRow(box, slot, holder, live, used)
+
+
+def test_a_new_thread_takes_a_free_slot_on_the_box_with_the_fewest_threads() -> None:
+    rows = [row("http://a", 0, "t1"), row("http://a", 1, "t2"), row("http://b", 0, "t3")]
+    claim = choose_slot(rows, BOXES, 4, "t4", preferred=0)
+    assert (claim.box, claim.slot, claim.guest) == ("http://b", 1, False)  # b has 1 thread, a has 2
+
+
+def test_a_thread_keeps_its_live_slot_and_gets_its_lapsed_one_back_when_nobody_took_it() -> None:
+    assert choose_slot([row("http://a", 2, "t1")], BOXES, 4, "t1", preferred=0).slot == 2
+    lapsed = [row("http://b", 3, "t1", live=False, used=5.0)]
+    claim = choose_slot(lapsed, BOXES, 4, "t1", preferred=0)
+    assert (claim.box, claim.slot) == ("http://b", 3)  # its cache may still be there
+    taken = [row("http://b", 3, "t1", live=False, used=5.0), row("http://b", 3, "t9")]
+    assert (
+        choose_slot(taken, BOXES, 4, "t1", preferred=3).box,
+        choose_slot(taken, BOXES, 4, "t1", preferred=3).slot,
+    ) != (
+        "http://b",
+        3,
+    )
+
+
+def test_when_every_slot_is_held_a_thread_borrows_the_least_recently_used_one_without_holding_it() -> None:
+    rows = [
+        row(box, slot, f"{box}{slot}", used=float(10 * slot + len(box))) for box in BOXES for slot in range(2)
+    ]
+    claim = choose_slot(rows, BOXES, 2, "newcomer", preferred=1)
+    assert claim.guest and (claim.box, claim.slot) == ("http://a", 0)
+
+
+async def test_an_unreachable_shared_state_places_in_this_process_and_says_so() -> None:
+    settings = FusionSettings(local_slots=4, local_base_url="http://127.0.0.1:9/v1")
+    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+
+    async def no_props(link: ChainLink) -> Any:
+        return None
+
+    fallback = InProcessPlacement(settings, no_props, gateway=False)
+    state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
+    placer = SharedPlacement(state, fallback, boxes=(), box_model=None)
+    try:
+        placed = await placer.place(link, "thread-1")
+    finally:
+        await state.aclose()
+    expected = await fallback.place(link, "thread-1")
+    assert placed.slot == expected.slot is not None
+    assert str(placed.notes["placement"]).startswith(
+        "in-process: the shared state's Postgres cannot be reached"
+    )
+
+
+class Board:
+    """A health board in memory: what another worker announced, and what this one announces."""
+
+    def __init__(self) -> None:
+        self.shared: dict[str, tuple[float, str | None]] = {}
+        self.announced: list[tuple[str, float | None]] = []
+
+    def cooldown(self, provider: str) -> tuple[float, str | None] | None:
+        return self.shared.get(provider)
+
+    async def publish_cooldown(self, provider: str, until: float | None, error: str | None) -> None:
+        self.announced.append((provider, until))
+
+
+class Failing(GenericFakeChatModel):
+    async def _agenerate(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("connection refused")
+
+
+def links() -> tuple[ChainLink, ChainLink]:
+    cloud = ChainLink("cloud:m", "cloud", Failing(messages=iter([])), Pricing.flat(FREE))
+    local = ChainLink(
+        "local:m", "local", GenericFakeChatModel(messages=iter([AIMessage("ok")] * 5)), Pricing.flat(FREE)
+    )
+    return cloud, local
+
+
+async def test_a_cooldown_another_worker_announced_keeps_this_worker_off_the_provider() -> None:
+    board = Board()
+    cloud, local = links()
+    chain = ProviderChain([cloud, local], board=board)
+    board.shared[board_key(cloud)] = (time.time() + 60, "503 elsewhere")
+    tried: list[str] = []
+
+    async def invoke(link: ChainLink) -> AIMessage:
+        tried.append(link.id)
+        return AIMessage("answer")
+
+    outcome = await chain.call(invoke, preferred_leg="cloud")
+    assert tried == ["local:m"] and outcome.provider is local and outcome.attempts == ()
+    assert chain.health("cloud:m").last_error == "503 elsewhere"
+
+
+async def test_a_cooldown_this_worker_trips_is_announced_to_the_others() -> None:
+    board = Board()
+    cloud, local = links()
+    chain = ProviderChain([cloud, local], board=board, policy=HealthPolicy(allowed_failures=0, cooldown_s=30))
+
+    async def invoke(link: ChainLink) -> AIMessage:
+        if link.leg == "cloud":
+            raise ConnectionError("connection refused")
+        return AIMessage("answer")
+
+    began = time.time()
+    await chain.call(invoke, preferred_leg="cloud")
+    [(provider, until)] = board.announced
+    assert provider == board_key(cloud) and until is not None and began + 29 < until < time.time() + 31
+
+
+@pytest.mark.parametrize("with_board", [True, False])
+async def test_without_a_board_nothing_is_announced(with_board: bool) -> None:
+    board = Board()
+    cloud, local = links()
+    chain = ProviderChain(
+        [cloud, local], board=board if with_board else None, policy=HealthPolicy(allowed_failures=0)
+    )
+
+    async def invoke(link: ChainLink) -> AIMessage:
+        if link.leg == "cloud":
+            raise ConnectionError("connection refused")
+        return AIMessage("answer")
+
+    await chain.call(invoke, preferred_leg="cloud")
+    assert bool(board.announced) is with_board
