@@ -8,7 +8,7 @@ slots and the reserved reflection slot) exactly as the graph sends them:
 ``SlotPool`` and ``cache_prompt``. Memory jobs run where the graph runs them:
 after each turn's last step, and beside every ``--every-k``-th step of a turn
 (started once that step is answered, as ``steps_settled`` does), through the
-project's own ``memory.run_job`` on the reflection slot.
+project's own ``run_job`` on the reflection slot.
 
 Variants, each on a freshly started server:
 
@@ -52,8 +52,8 @@ from langchain_core.messages import (
 from langchain_core.tools import BaseTool, StructuredTool
 from pydantic import BaseModel, Field
 
-from bench.kv_plan import CLOUD_SHARE, route_trajectory
-from bench.kv_server import N_SLOTS, TEMPLATE, prepare_server, server_version, tokenize_requests
+from bench.kv.plan import CLOUD_SHARE, route_trajectory
+from bench.kv.server import N_SLOTS, TEMPLATE, prepare_server, server_version, tokenize_requests
 from bench.traces import (
     Trajectory,
     add_trace_arguments,
@@ -63,6 +63,7 @@ from bench.traces import (
     trace_files,
 )
 from fusion_graph import memory, prompts
+from fusion_graph.memory import job_call
 from fusion_graph.providers.ask import bound_model
 from fusion_graph.providers.chain import ChainLink, ProviderChain
 from fusion_graph.providers.llama_server import ChatLlamaServer
@@ -240,7 +241,7 @@ async def run_job(
         processed, reused, _ = timings_numbers(answer)
         primed = False
     else:
-        runner = memory.JobRunner(
+        runner = job_call.JobRunner(
             chain=replay.chain,
             leg="local",
             system_prompt=system,
@@ -250,7 +251,9 @@ async def run_job(
             max_tokens=JOB_MAX_TOKENS,
             prime=replay.variant.prime,
         )
-        _, records, dropped = await memory.run_job(JOB, conversation, runner, turn=step.turn, step=step.step)
+        _, records, dropped = await job_call.run_job(
+            JOB, conversation, runner, turn=step.turn, step=step.step
+        )
         if not records:
             raise RuntimeError(f"{trajectory.thread_id}: memory job got no answer: {dropped}")
         first = records[0]

@@ -24,7 +24,8 @@ from langgraph.store.base import BaseStore
 from langgraph.types import Send
 
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.memory import DEFAULT_JOBS, MemoryJob, MemoryRuns
+from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
+from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.nodes import (
     InferenceNodes,
     MemoryNodes,

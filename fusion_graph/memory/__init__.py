@@ -27,103 +27,20 @@ again at the thread's next turn, or on ``sweep``/``drain(graph=...)``;
 finished jobs' records are folded into the thread's ``route_log`` once.
 """
 
-from fusion_graph.memory.background import (
-    detach,
-    inference_running,
-    loop_outlives_run,
-    running_here,
-    steps_settled,
-    wait_detached,
-)
-from fusion_graph.memory.job_call import (
-    PRIMER_PROMPT,
-    JobRunner,
-    dropped_record,
-    prime_reflection_slot,
-    run_job,
-)
-from fusion_graph.memory.job_log import (
-    LEASE_GRACE_S,
-    MAX_ATTEMPTS,
-    JobEntry,
-    Owner,
-    done_entry,
-    folded_keys,
-    needs_rerun,
-    pending_entry,
-    pending_everywhere,
-    this_process,
-    thread_entries,
-    ticket_of,
-    with_status,
-    write_entry,
-)
-from fusion_graph.memory.jobs import (
-    DEFAULT_JOBS,
-    MEMORY_MESSAGE_NAME,
-    JobTicket,
-    MemoryItem,
-    MemoryJob,
-    TurnMemories,
-    job_prompt,
-)
-from fusion_graph.memory.runs import MemoryGraph, MemoryRuns, drain, sweep
-from fusion_graph.memory.store import (
-    JOBS_NAMESPACE_ROOT,
-    NAMESPACE_ROOT,
-    jobs_namespace,
-    memories_namespace,
-    memory_message,
-    namespace,
-    namespace_of,
-    recall,
-    store_items,
-)
+from fusion_graph.memory.jobs import DEFAULT_JOBS, MemoryItem, MemoryJob, TurnMemories
+from fusion_graph.memory.runs import drain, sweep
+from fusion_graph.memory.store import namespace
 
+# The modules behind these names: ``jobs`` (the job type and its schema), ``job_call`` (one job's
+# call on the reflection slot), ``runs`` (inline, detached and re-run jobs), ``job_log`` (pending
+# and done entries in the store), ``store`` (namespaces, recall, writes), ``background`` (this
+# process's detached tasks).
 __all__ = [
     "DEFAULT_JOBS",
-    "JOBS_NAMESPACE_ROOT",
-    "LEASE_GRACE_S",
-    "MAX_ATTEMPTS",
-    "MEMORY_MESSAGE_NAME",
-    "NAMESPACE_ROOT",
-    "PRIMER_PROMPT",
-    "JobEntry",
-    "JobRunner",
-    "JobTicket",
-    "MemoryGraph",
     "MemoryItem",
     "MemoryJob",
-    "MemoryRuns",
-    "Owner",
     "TurnMemories",
-    "detach",
-    "done_entry",
     "drain",
-    "dropped_record",
-    "folded_keys",
-    "inference_running",
-    "job_prompt",
-    "jobs_namespace",
-    "loop_outlives_run",
-    "memories_namespace",
-    "memory_message",
     "namespace",
-    "namespace_of",
-    "needs_rerun",
-    "pending_entry",
-    "pending_everywhere",
-    "prime_reflection_slot",
-    "recall",
-    "run_job",
-    "running_here",
-    "steps_settled",
-    "store_items",
     "sweep",
-    "this_process",
-    "thread_entries",
-    "ticket_of",
-    "wait_detached",
-    "with_status",
-    "write_entry",
 ]

@@ -27,7 +27,7 @@ from fusion_graph import prompts
 from fusion_graph.budget import BudgetCheck
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.inputs import check_new_turn, thread_id_of
-from fusion_graph.memory import inference_running
+from fusion_graph.memory.background import inference_running
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.nodes.memory import Recall, TurnStart
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask

@@ -24,11 +24,13 @@ from langchain_core.messages import HumanMessage
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
-from fusion_graph import memory
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.inputs import thread_id_of
-from fusion_graph.memory import JobTicket
+from fusion_graph.memory.background import detach, loop_outlives_run
+from fusion_graph.memory.job_log import pending_entry, thread_entries, write_entry
+from fusion_graph.memory.jobs import JobTicket
 from fusion_graph.memory.runs import MemoryRuns
+from fusion_graph.memory.store import memory_message, namespace_of, recall
 from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.records import RouteRecord, add_totals, totals_of
 from fusion_graph.state import State
@@ -93,7 +95,7 @@ class MemoryNodes:
             config = get_config()
             records = await self.runs.catch_up(
                 runtime.store,
-                memory.namespace_of(config, self.graph_name),
+                namespace_of(config, self.graph_name),
                 thread_id_of(config),
                 state.get("route_log") or [],
                 state["messages"],
@@ -111,12 +113,12 @@ class MemoryNodes:
         messages = state["messages"]
         query = messages[turn_start(messages)].text if messages else ""
         try:
-            ns = memory.namespace_of(get_config(), self.graph_name)
-            items = await memory.recall(runtime.store, ns, query, context.memory_recall_limit)
+            ns = namespace_of(get_config(), self.graph_name)
+            items = await recall(runtime.store, ns, query, context.memory_recall_limit)
         except Exception:
             logger.exception("recalling memories failed")
             return None
-        return memory.memory_message(items)
+        return memory_message(items)
 
     # -- the memory node ------------------------------------------------------
 
@@ -136,7 +138,7 @@ class MemoryNodes:
         messages = list(state["messages"])
         last = messages[-1] if messages else None
         ticket = JobTicket(
-            namespace=memory.namespace_of(config, self.graph_name),
+            namespace=namespace_of(config, self.graph_name),
             thread_id=thread_id_of(config),
             turn=state.get("turn", 0),
             step=state.get("step", 0),
@@ -148,17 +150,17 @@ class MemoryNodes:
             records = await self.runs.run(ticket, messages, context, store, config=config)
             return records_update(records, runtime)
         owner = await self.runs.claim(ticket)  # with shared state: this worker runs it, nobody else
-        entry = memory.pending_entry(ticket, self.runs.memory_jobs, lease_s=self.runs.lease_s)
+        entry = pending_entry(ticket, self.runs.memory_jobs, lease_s=self.runs.lease_s)
         try:
-            await memory.write_entry(store, ticket, entry)
+            await write_entry(store, ticket, entry)
         except Exception:
             logger.exception("writing memory job %s as pending failed; running it anyway", ticket.key)
         run = self.runs.run_logged(ticket, entry, messages, context, store, owner=owner)
-        task = memory.detach(run, key=ticket.key)
-        if not memory.loop_outlives_run():  # this run's loop stops with it: see the jobs through here
+        task = detach(run, key=ticket.key)
+        if not loop_outlives_run():  # this run's loop stops with it: see the jobs through here
             await asyncio.wait({task}, timeout=self.runs.lease_s)
         try:
-            entries = await memory.thread_entries(store, ticket.namespace, ticket.thread_id)
+            entries = await thread_entries(store, ticket.namespace, ticket.thread_id)
         except Exception:
             logger.exception("reading the memory job log failed")
             return {}

@@ -13,7 +13,7 @@ from typing import Any
 
 from langgraph.store.sqlite.aio import AsyncSqliteStore
 
-from fusion_graph import memory
+from fusion_graph.memory.job_log import JobEntry
 from tests.unit.memory.test_background import items, log_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def lines(ledger: Path) -> list[str]:
     return ledger.read_text(encoding="utf-8").splitlines() if ledger.exists() else []
 
 
-async def crash_log(folder: Path) -> tuple[list[memory.JobEntry], list[dict[str, Any]]]:
+async def crash_log(folder: Path) -> tuple[list[JobEntry], list[dict[str, Any]]]:
     async with AsyncSqliteStore.from_conn_string(str(folder / "store.sqlite")) as store:
         return await log_of(store, "crash"), await items(store)
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from fusion_graph import build_graph, make_workspace_tools, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.memory import MemoryJob
+from fusion_graph.memory.job_log import thread_entries
 from fusion_graph.records import RouteRecord
 from fusion_graph_testing import LlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
@@ -83,7 +84,7 @@ async def test_memory_jobs_are_warm_on_the_reserved_slot_and_leave_the_conversat
             await memory.drain(timeout=120)  # each job ends before the next turn, for exact numbers
 
     ns = memory.namespace("fusion", "anonymous")
-    entries = await memory.thread_entries(store, ns, THREAD, statuses=("pending", "done", "folded"))
+    entries = await thread_entries(store, ns, THREAD, statuses=("pending", "done", "folded"))
     # Marked folded once a later node saw their records in route_log; the last one is only done.
     assert [(e["turn"], e["status"]) for e in entries] == [(0, "folded"), (1, "folded"), (2, "done")]
     jobs = [e["records"][-1] for e in entries]

@@ -21,9 +21,11 @@ from langgraph.store.postgres.aio import AsyncPostgresStore
 
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
+from fusion_graph.memory.jobs import MEMORY_MESSAGE_NAME
 from fusion_graph.state import InputState
+from fusion_graph_testing.postgres import PostgresUnavailableError, find_bin_dir
 from tests.plugins.fakes import ai_calls, call, check_two_turns, scripted
-from tests.plugins.postgres import PostgresUnavailableError, find_bin_dir, unavailable
+from tests.plugins.postgres import unavailable
 
 CONFIG: RunnableConfig = {"configurable": {"thread_id": "shared-thread"}}
 NS = memory.namespace("fusion", "anonymous")
@@ -134,7 +136,7 @@ async def test_memories_from_one_replica_are_recalled_on_another(postgres_db: st
 
     plan_prompt = cloud.prompts[0]
     recalled = plan_prompt[-1]
-    assert isinstance(recalled, HumanMessage) and recalled.name == memory.MEMORY_MESSAGE_NAME
+    assert isinstance(recalled, HumanMessage) and recalled.name == MEMORY_MESSAGE_NAME
     assert TABS in recalled.text
     assert plan_prompt[-2].text == "format this file"
     assert any(m.text == "done" for m in plan_prompt)  # the first turn came back from the checkpoint

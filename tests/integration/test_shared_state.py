@@ -64,7 +64,9 @@ async def test_a_lapsed_lease_goes_to_a_new_thread_and_its_holder_gets_its_old_s
     assert other.slot != first.slot
 
 
-async def test_a_cooldown_announced_by_one_worker_reaches_the_other(pair: tuple[SharedState, SharedState]) -> None:
+async def test_a_cooldown_announced_by_one_worker_reaches_the_other(
+    pair: tuple[SharedState, SharedState],
+) -> None:
     a, b = pair
     await b.claim_slot("warm", ("http://box:8080",), 1, "x", 60.0, preferred=0)  # b is connected, listening
     until = time.time() + 30

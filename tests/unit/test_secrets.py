@@ -32,6 +32,7 @@ from langgraph.store.sqlite.aio import AsyncSqliteStore
 
 from fusion_graph import FusionContext, build_graph, memory
 from fusion_graph.errors import ChainExhausted, ProviderRequestError
+from fusion_graph.memory.job_call import JobRunner, dropped_record, run_job
 from fusion_graph.providers import ProviderResolver
 from fusion_graph.providers.chain import ChainLink, ProviderChain
 from fusion_graph.providers.models import build_cloud_model
@@ -341,7 +342,7 @@ async def test_a_dropped_memory_job_says_why_without_the_key(caplog: pytest.LogC
     chain = ProviderChain([ChainLink(LOCAL_ID, "local", buggy, Pricing.flat(FREE))])
 
     job = memory.DEFAULT_JOBS[0]
-    runner = memory.JobRunner(
+    runner = JobRunner(
         chain=chain,
         leg="local",
         system_prompt="",
@@ -350,10 +351,10 @@ async def test_a_dropped_memory_job_says_why_without_the_key(caplog: pytest.LogC
         thread_id="t",
         max_tokens=64,
     )
-    result, records, why = await memory.run_job(job, [HumanMessage("x")], runner, turn=0, step=0)
+    result, records, why = await run_job(job, [HumanMessage("x")], runner, turn=0, step=0)
     assert result is None and records == []
     assert why is not None and why.startswith("provider error: ProviderRequestError: ")
     assert why.endswith(f"RuntimeError: binding bug near {REDACTED}")
     assert "binding bug near" in caplog.text and key not in caplog.text
-    record = memory.dropped_record(job, "local", 0, 0, f"store write failed: {key}")
+    record = dropped_record(job, "local", 0, 0, f"store write failed: {key}")
     assert record["extra"]["dropped"] == f"store write failed: {REDACTED}"

@@ -19,6 +19,18 @@ from langgraph.store.memory import InMemoryStore
 
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
+from fusion_graph.memory.background import inference_running, steps_settled
+from fusion_graph.memory.job_log import (
+    MAX_ATTEMPTS,
+    JobEntry,
+    Owner,
+    folded_keys,
+    pending_entry,
+    this_process,
+    thread_entries,
+    write_entry,
+)
+from fusion_graph.memory.jobs import JobTicket
 from fusion_graph.prompts import SYSTEM_PROMPT
 from fusion_graph.records import RouteRecord
 from fusion_graph.sizing.tokens import build_prompt
@@ -62,8 +74,8 @@ async def items(store: Any) -> list[dict[str, Any]]:
     return [item.value for item in await store.asearch(NS, limit=100)]
 
 
-async def log_of(store: Any, thread: str = "t1") -> list[memory.JobEntry]:
-    return await memory.thread_entries(store, NS, thread, statuses=("pending", "done", "folded"))
+async def log_of(store: Any, thread: str = "t1") -> list[JobEntry]:
+    return await thread_entries(store, NS, thread, statuses=("pending", "done", "folded"))
 
 
 async def turn_with_slow_job(
@@ -90,7 +102,7 @@ async def test_the_reply_returns_without_waiting_for_a_slow_job_which_then_reach
     [entry] = await log_of(store)
     assert (entry["status"], entry["turn"], entry["step"]) == ("pending", 0, 1)
     assert (entry["covers"], entry["last_message_id"]) == (len(out["messages"]), out["messages"][-1].id)
-    assert entry["owner"] == memory.this_process() and entry["lease_until"] > time.time()
+    assert entry["owner"] == this_process() and entry["lease_until"] > time.time()
     assert await items(store) == []
     await memory.drain(timeout=30)
     assert [i["text"] for i in await items(store)] == ["The user prefers tabs."]
@@ -187,21 +199,21 @@ async def test_a_job_starts_after_the_inference_of_its_thread_in_flight() -> Non
     order: list[str] = []
 
     async def step() -> None:
-        async with memory.inference_running("t"):
+        async with inference_running("t"):
             await asyncio.sleep(0.05)
             order.append("step answered")
 
     async def job() -> None:
         await asyncio.sleep(0)  # the step is in flight by now
-        await memory.steps_settled("t", timeout=10)
+        await steps_settled("t", timeout=10)
         order.append("job started")
 
     await asyncio.gather(step(), job())
     assert order == ["step answered", "job started"]
-    await asyncio.wait_for(memory.steps_settled("t", timeout=10), timeout=1)  # nothing in flight
+    await asyncio.wait_for(steps_settled("t", timeout=10), timeout=1)  # nothing in flight
 
 
-async def thread_with_a_stale_job(attempts: int) -> tuple[Any, InMemoryStore, memory.JobTicket]:
+async def thread_with_a_stale_job(attempts: int) -> tuple[Any, InMemoryStore, JobTicket]:
     """A thread of one turn whose job log holds a pending run of another host whose lease ran out."""
     cloud = scripted("cloudfake", ["hello"])
     local = scripted("localfake", [GOOD])
@@ -211,10 +223,10 @@ async def thread_with_a_stale_job(attempts: int) -> tuple[Any, InMemoryStore, me
     )
     out = await graph.ainvoke(user_input("I like tabs"), CONFIG, context=FusionContext(sub_runners="off"))
     messages = out["messages"]
-    ticket = memory.JobTicket(NS, "t1", 0, 0, len(messages), messages[-1].id, "local", attempt=attempts)
-    entry = memory.pending_entry(ticket, memory.DEFAULT_JOBS, lease_s=-1.0)
-    entry["owner"] = memory.Owner(host="elsewhere", pid=1)
-    await memory.write_entry(store, ticket, entry)
+    ticket = JobTicket(NS, "t1", 0, 0, len(messages), messages[-1].id, "local", attempt=attempts)
+    entry = pending_entry(ticket, memory.DEFAULT_JOBS, lease_s=-1.0)
+    entry["owner"] = Owner(host="elsewhere", pid=1)
+    await write_entry(store, ticket, entry)
     return graph, store, ticket
 
 
@@ -230,7 +242,7 @@ async def test_sweep_runs_a_pending_job_whose_lease_ran_out() -> None:
 
 
 async def test_drain_with_the_graph_sweeps_and_a_job_that_keeps_dying_is_given_up() -> None:
-    graph, store, _ = await thread_with_a_stale_job(attempts=memory.MAX_ATTEMPTS)
+    graph, store, _ = await thread_with_a_stale_job(attempts=MAX_ATTEMPTS)
     await memory.drain(timeout=30, graph=graph)
     [entry] = await log_of(store)
     assert entry["status"] == "done" and await items(store) == []
@@ -242,4 +254,4 @@ async def test_drain_with_the_graph_sweeps_and_a_job_that_keeps_dying_is_given_u
 def test_records_of_finished_jobs_are_recognised_by_their_key() -> None:
     record: RouteRecord = {"kind": "memory", "extra": {"job_key": "t:0:1"}}  # type: ignore[typeddict-item]
     step: RouteRecord = {"kind": "step", "extra": {"job_key": "t:9:9"}}  # type: ignore[typeddict-item]
-    assert memory.folded_keys([record, step]) == {"t:0:1"}
+    assert folded_keys([record, step]) == {"t:0:1"}

@@ -23,6 +23,8 @@ from langgraph.store.sqlite.aio import AsyncSqliteStore
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.memory import MemoryJob
+from fusion_graph.memory.job_call import PRIMER_PROMPT
+from fusion_graph.memory.jobs import MEMORY_MESSAGE_NAME
 from fusion_graph.prompts import SYSTEM_PROMPT
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.settings import FusionSettings
@@ -162,7 +164,7 @@ async def test_next_turn_plan_prompt_includes_the_memories() -> None:
     out = await graph.ainvoke(user_input("what next?"), CONFIG, context=INLINE)
     plan_prompt = cloud.prompts[0]
     recalled = plan_prompt[-1]
-    assert isinstance(recalled, HumanMessage) and recalled.name == memory.MEMORY_MESSAGE_NAME
+    assert isinstance(recalled, HumanMessage) and recalled.name == MEMORY_MESSAGE_NAME
     assert "Use ruff for linting." in recalled.text and "Port the CLI to typer." in recalled.text
     # It stays in the thread right after the user's message, so later steps share the prefix.
     texts = [m.text for m in out["messages"]]
@@ -242,7 +244,7 @@ async def test_local_memory_job_is_primed_on_the_reflection_slot_and_keeps_the_s
     conversation_slot = out["route_log"][1]["slot"]
     assert step_body["id_slot"] == conversation_slot and conversation_slot != 3
     # First a one-token completion on the reserved last slot, then the job on that slot.
-    assert (primer_body["prompt"], primer_body["max_tokens"]) == (memory.PRIMER_PROMPT, 1)
+    assert (primer_body["prompt"], primer_body["max_tokens"]) == (PRIMER_PROMPT, 1)
     assert primer_body["id_slot"] == 3 and primer_body["cache_prompt"] is True
     assert memory_body["id_slot"] == 3 and memory_body["cache_prompt"] is True
     assert memory_body["response_format"]["type"] == "json_schema"
