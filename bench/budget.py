@@ -34,15 +34,9 @@ from typing import Any
 from bench.traces import QUICK_OTHER, QUICK_SWE, add_trace_arguments, is_swe_file
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import TraceError
-from fusion_graph.replay.traces import (
-    RecordedTrajectory,
-    ReplayedTrajectory,
-    StepPrices,
-    load_trajectories,
-    replay_trajectory,
-    step_prices,
-    summarize,
-)
+from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
+from fusion_graph.replay.summary import summarize
+from fusion_graph.replay.traces import RecordedTrajectory, StepPrices, load_trajectories, step_prices
 from fusion_graph.settings import FusionSettings
 
 #: Thread budgets, as fractions of each trajectory's own all-cloud cost.

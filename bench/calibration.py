@@ -57,25 +57,11 @@ from bench.traces import DEFAULT_TRACES, REPO_ROOT
 from fusion_graph.cli.common import progress
 from fusion_graph.context import DEFAULTS, FusionContext
 from fusion_graph.errors import TraceError
-from fusion_graph.replay.calibration import (
-    CALIBRATED_PACE_SLACK,
-    ScoredStep,
-    best_plain_share,
-    fit_quantiles,
-    permutation_p,
-    rank_auc,
-    scored_steps,
-    share_for,
-    share_of,
-    split_halves,
-)
-from fusion_graph.replay.traces import (
-    RecordedTrajectory,
-    ReplayedTrajectory,
-    families,
-    load_trajectories,
-    replay_trajectory,
-)
+from fusion_graph.replay.calibration import CALIBRATED_PACE_SLACK, best_plain_share, fit_quantiles, share_for
+from fusion_graph.replay.evaluation import permutation_p, rank_auc, split_halves
+from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
+from fusion_graph.replay.shares import ScoredStep, scored_steps, share_of
+from fusion_graph.replay.traces import RecordedTrajectory, families, load_trajectories
 
 TARGETS = (0.1, 0.2, 0.3, 0.5)
 GOAL_MAE = 0.03

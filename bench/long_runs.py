@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.kv_plan import new_token_counts
-from bench.kv_server import N_SLOTS, prepare_server, server_version
+from bench.kv.plan import new_token_counts
+from bench.kv.server import N_SLOTS, prepare_server, server_version
 from bench.traces import DEFAULT_TRACES, QUICK_OTHER, QUICK_SWE, is_swe_file
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import TraceError

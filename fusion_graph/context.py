@@ -27,7 +27,13 @@ from pydantic_core import ArgsKwargs
 from fusion_graph import prompts
 from fusion_graph.errors import ContextError
 from fusion_graph.ranges import between
-from fusion_graph.routing import DEFAULT_CLOUD_SHARE, DEFAULT_HYSTERESIS, Mode, check_score_quantiles
+from fusion_graph.routing import (
+    DEFAULT_CLOUD_SHARE,
+    DEFAULT_HYSTERESIS,
+    TROUBLE_WEIGHTS,
+    Mode,
+    check_score_quantiles,
+)
 from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS
 
 #: Marks a field as a model name so LangGraph Studio renders a model picker (in the served schema).
@@ -105,6 +111,15 @@ class FusionContext:
         "cloud_share percent of its continuation steps (read from its route log); the score "
         "with hysteresis picks inside that slack. 0.5 holds the share to the nearest step; "
         "wider leaves the score more say. Empty: no pacing.",
+    )
+    trouble_signals: bool = _field(
+        "trouble_signals",
+        False,
+        f"Trouble signals: add {TROUBLE_WEIGHTS['error_severity']} × error severity (the turn's tool "
+        "errors, recent and repeated ones weighing most) and "
+        f"{TROUBLE_WEIGHTS['no_progress']} × no progress (the share of recent calls already made in "
+        "the turn) to the score (clipped to 100), and keep a turn that trouble escalated on cloud "
+        "until a progress event (a success after errors, a passing test run). Off: the four-term score.",
     )
     max_steps: Annotated[int, *between(1, 1000)] = _field(
         "max_steps", 25, "Inferences allowed per turn (plan, steps and repairs) before it ends."

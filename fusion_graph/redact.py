@@ -27,9 +27,12 @@ propagate child -> ``fusion_graph`` -> root, so the application's handlers
 (on the root logger) receive them already scrubbed. Like the ``NullHandler``
 the logging HOWTO recommends for libraries, it also stops ``lastResort`` from
 printing the package's records when the application configured no logging.
-Handlers attached to a ``fusion_graph.*`` child logger run before it and see
-raw records; add a ``RedactingFilter`` to those (or to any handler, to scrub
-other libraries' records too).
+The same is installed on the HTTP libraries' loggers the package drives
+(``httpx``, ``httpcore``, ``openai``): at DEBUG they log request and response
+headers, where a gateway may echo the key. Handlers attached to a child logger
+(``fusion_graph.providers``, ``httpcore.http11``) run before it and see raw
+records; add a ``RedactingFilter`` to those (or to any handler, to scrub other
+libraries' records too). Streamed answers are scrubbed by ``StreamScrubber``.
 """
 
 from __future__ import annotations
@@ -155,6 +158,40 @@ def scrub_content(content: Any) -> Any:
     return content
 
 
+class StreamScrubber:
+    """Scrubs the registered secrets from text that arrives in pieces (a streamed answer's chunks).
+
+    A key split across two chunks is in neither whole, so each stream (by its
+    message id) holds back a tail one character shorter than the longest
+    secret: whatever is let out can no longer be the start of a secret. The
+    tail goes out with the stream's last piece (``last``) or ``flush``.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, str] = {}
+
+    def feed(self, stream: str, text: str, *, last: bool = False) -> str:
+        """The part of ``stream``'s text so far that is safe to let out, scrubbed."""
+        text = self._held.pop(stream, "") + text
+        secrets = registered_secrets()
+        if not secrets:
+            return text
+        text = scrub_known(text)
+        hold = 0 if last else max(len(secret) for secret in secrets) - 1
+        if hold <= 0 or len(text) <= 0:
+            return text
+        out, self._held[stream] = text[:-hold], text[-hold:]
+        return out
+
+    def flush(self, stream: str) -> str:
+        """What ``stream`` still holds back (scrubbed): its end came without a last piece."""
+        return scrub_known(self._held.pop(stream, ""))
+
+    def holding(self) -> list[str]:
+        """The streams that hold text back."""
+        return [stream for stream, text in self._held.items() if text]
+
+
 class RedactingFilter(logging.Filter):
     """Scrubs a log record in place: its message (args merged in), exception and stack text.
 
@@ -200,4 +237,9 @@ def install(logger_name: str = "fusion_graph") -> None:
         logger.addFilter(RedactingFilter())  # records logged on the package logger itself
 
 
-install()
+#: The loggers whose records are scrubbed: the package's, and those of the HTTP libraries it drives
+#: (at DEBUG they log request and response headers, where a gateway may echo the key).
+SCRUBBED_LOGGERS = ("fusion_graph", "httpx", "httpcore", "openai")
+
+for _name in SCRUBBED_LOGGERS:
+    install(_name)

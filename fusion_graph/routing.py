@@ -30,6 +30,20 @@ WEIGHTS: dict[str, int] = {
 }
 assert sum(WEIGHTS.values()) == 100, "routing weights must sum to 100"
 
+#: Points of the trouble terms (``FusionContext.trouble_signals``, measured by ``fusion_graph.trouble``),
+#: added to the four above; the total is clipped to 100. A step with no trouble scores exactly what the
+#: four give, so the design's figures hold unchanged. One fresh tool error (severity 0.5) adds 25 points:
+#: a warning, not an escalation of a light step (real continuation steps score 4-55 on the shared
+#: traces); errors on consecutive steps (0.75-1.0: 37-50 points) or an error inside a loop (no
+#: progress 0.5: 15 more) lift a mid-turn step past ``T + h`` at ``cloud_share`` 40-50 by
+#: themselves, and to the top of any calibrated table. No progress weighs less than errors because
+#: repeats are also how an agent re-reads state it needs, and the loop detector's notice (20) already
+#: answers the worst repeats.
+TROUBLE_WEIGHTS: dict[str, int] = {
+    "error_severity": 50,
+    "no_progress": 30,
+}
+
 DEFAULT_CLOUD_SHARE = 30
 DEFAULT_HYSTERESIS = 10
 
@@ -62,6 +76,31 @@ class StepSignals:
 
 
 @dataclass(frozen=True)
+class TroubleSignals(StepSignals):
+    """``StepSignals`` with the trouble signals (``FusionContext.trouble_signals``; ``fusion_graph.trouble``).
+
+    A subclass, so a step routed without them records exactly the seed's signals.
+
+    Attributes:
+        error_severity: 0-1, the turn's error results, recent ones weighing most.
+        no_progress: 0-1, the share of recent calls already requested earlier in the turn.
+        progress: The results since the previous step are a progress event (it releases the latch).
+        latched: The escalation latch coming into the step: the step of the turn that set it
+            (``None``: not held).
+    """
+
+    error_severity: float
+    no_progress: float
+    progress: bool
+    latched: int | None
+
+    @property
+    def held(self) -> bool:
+        """Whether the latch holds the step on cloud: it came in latched, no progress event released it."""
+        return self.latched is not None and not self.progress
+
+
+@dataclass(frozen=True)
 class StepScore:
     """A score with its four terms, in points (each term is ``weight × ratio``)."""
 
@@ -84,6 +123,43 @@ class StepScore:
         """
         return round(self.context_pressure + self.turn_depth + self.transient_notice + self.tail_growth, 2)
 
+    @property
+    def trouble(self) -> float:
+        """Points of the trouble terms (0: scored without them)."""
+        return 0.0
+
+    @property
+    def base_points(self) -> float:
+        """The points of the seed's four terms alone (``points`` here)."""
+        return self.points
+
+
+@dataclass(frozen=True)
+class TroubleScore(StepScore):
+    """A score with the trouble terms beside the seed's four (each ``weight × ratio``, in points).
+
+    ``score`` and ``points`` add all six, clipped to 100; clipping never changes a
+    decision, since every bar of the dial is below 100 where it reads the score.
+    """
+
+    error_severity: float
+    no_progress: float
+
+    @property
+    def points(self) -> float:
+        """The six terms summed (2 decimals), clipped to 100."""
+        return min(100.0, round(self.base_points + self.error_severity + self.no_progress, 2))
+
+    @property
+    def trouble(self) -> float:
+        """Points of the two trouble terms."""
+        return round(self.error_severity + self.no_progress, 2)
+
+    @property
+    def base_points(self) -> float:
+        """The points of the seed's four terms alone: what the step scores without trouble."""
+        return round(self.context_pressure + self.turn_depth + self.transient_notice + self.tail_growth, 2)
+
 
 @dataclass(frozen=True)
 class RouteDecision:
@@ -100,6 +176,8 @@ class RouteDecision:
     reason: str
     budget: str | None = None
     """Why a cloud budget moved this decision from cloud to local (``None``: it did not)."""
+    latch: int | None = None
+    """The escalation latch after this decision: the step that set it (``None``: not held, or no latch)."""
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -117,6 +195,12 @@ def score_step(signals: StepSignals) -> StepScore:
     that fills the context budget with tool output at the end of a turn scores
     ``40 + 25 + 15 = 80`` without a notice, which reaches ``T + h`` at the
     defaults. See the module docstring for why cached tokens are not an input.
+
+    ``TroubleSignals`` (``FusionContext.trouble_signals``) add two terms, ``50 ×
+    error severity + 30 × no progress`` (``TROUBLE_WEIGHTS``), to the same sum,
+    clipped to 100, and give a ``TroubleScore``: trouble lifts a step on top of
+    how heavy it is, and a step with no trouble scores exactly what the four
+    give. Plain ``StepSignals`` score exactly as the seed's rule.
     """
     ratios = {
         "context_pressure": _ratio(signals.prompt_tokens, signals.conversation_max_tokens),
@@ -124,9 +208,16 @@ def score_step(signals: StepSignals) -> StepScore:
         "transient_notice": 1.0 if signals.transient_notice else 0.0,
         "tail_growth": _ratio(signals.tool_output_tokens, signals.stable_prefix_tokens),
     }
-    points = {name: round(WEIGHTS[name] * ratio, 2) for name, ratio in ratios.items()}
-    total = sum(WEIGHTS[name] * ratio for name, ratio in ratios.items())
+    weights = WEIGHTS
+    if isinstance(signals, TroubleSignals):
+        ratios["error_severity"] = _ratio(signals.error_severity, 1)
+        ratios["no_progress"] = _ratio(signals.no_progress, 1)
+        weights = WEIGHTS | TROUBLE_WEIGHTS
+    points = {name: round(weights[name] * ratio, 2) for name, ratio in ratios.items()}
+    total = sum(weights[name] * ratio for name, ratio in ratios.items())
     score = min(100, max(0, int(total + 0.5)))
+    if isinstance(signals, TroubleSignals):
+        return TroubleScore(score=score, **points)
     return StepScore(score=score, **points)
 
 
@@ -235,6 +326,83 @@ def _paced(decision: RouteDecision, pace: Pace | None, cloud_share: int) -> Rout
     return replace(decision, leg=forced, reason=reason)
 
 
+@dataclass(frozen=True)
+class Latch:
+    """The escalation latch as a continuation step finds it (``FusionContext.trouble_signals``).
+
+    ``since`` is the step of the turn whose trouble escalated it to cloud
+    (``None``: not held); ``progress`` says the results since the previous step
+    are a progress event (``trouble.progress_event``), which releases it.
+    The graph keeps ``since`` in ``State.latch``; replay rebuilds it the same way.
+    """
+
+    since: int | None = None
+    progress: bool = False
+
+
+def latch_rule(band: Leg, latch: Latch, *, step: int, for_trouble: bool) -> tuple[Leg, int | None]:
+    """The leg and the latch after a continuation step, from the band's leg and the latch it found.
+
+    A held latch with no progress event keeps the step on cloud whatever the
+    band says. A progress event releases it, and the band decides as before
+    (the hysteresis from the current leg, so a released turn stays on cloud
+    while its score holds the stay-on-cloud bar). A step the band escalates
+    from local to cloud *for trouble* (``for_trouble``: without the trouble
+    terms its value would be below the escalation bar) sets the latch at
+    ``step``. Staying on cloud never sets it, so the step a progress event
+    releases cannot latch again. ``decide_leg`` and the calibration fit
+    (``replay.calibration.fraction_at``) both apply this rule.
+    """
+    if latch.since is not None and not latch.progress:
+        return "cloud", latch.since
+    if band == "cloud" and for_trouble:
+        return "cloud", step
+    return band, None
+
+
+def _trouble_words(score: StepScore) -> str:
+    """The trouble terms in words: ``trouble 40 (error severity 0.5 × 50 = 25, no progress ...)``."""
+    if not isinstance(score, TroubleScore):
+        return "no trouble terms"
+    parts = []
+    for name, words in (("error_severity", "error severity"), ("no_progress", "no progress")):
+        points = getattr(score, name)
+        weight = TROUBLE_WEIGHTS[name]
+        parts.append(f"{words} {points / weight:.3g} × {weight} = {points:g}")
+    return f"trouble {score.trouble:g} ({', '.join(parts)})"
+
+
+def _latched(
+    decision: RouteDecision,
+    latch: Latch | None,
+    *,
+    step: int,
+    escalated: bool,
+    base_value: float,
+    base_shown: str,
+) -> RouteDecision:
+    """``decision`` (the band's) under the escalation latch (``latch_rule``); the reason gives the numbers."""
+    if latch is None or decision.score is None or decision.threshold is None:
+        return decision
+    words = [decision.reason, _trouble_words(decision.score)]
+    if latch.since is not None and latch.progress:
+        words.append(f"progress event: latch from step {latch.since} released")
+    for_trouble = (
+        escalated
+        and decision.leg == "cloud"
+        and decision.score.trouble > 0
+        and base_value < decision.threshold
+    )
+    leg, since = latch_rule(decision.leg, latch, step=step, for_trouble=for_trouble)
+    if since is not None and since == latch.since and not latch.progress:
+        words.append(f"latched on cloud since step {since}: no progress event yet")
+    elif since == step:
+        words.append(
+            f"without trouble {base_shown} < {decision.threshold:g}: latched on cloud until a progress event"
+        )
+    return replace(decision, leg=leg, reason="; ".join(words), latch=since)
+
+
 def decide_leg(
     *,
     mode: Mode,
@@ -245,6 +413,7 @@ def decide_leg(
     hysteresis: int = DEFAULT_HYSTERESIS,
     score_quantiles: Sequence[float] | None = None,
     pace: Pace | None = None,
+    latch: Latch | None = None,
 ) -> RouteDecision:
     """Pick the leg of one step.
 
@@ -265,6 +434,15 @@ def decide_leg(
     steps more than ``pace.slack`` steps away from ``cloud_share`` percent of its
     continuation steps (``paced_leg``); the plan and the ends of the dial are unchanged.
 
+    With a ``latch`` (``FusionContext.trouble_signals``), the band's choice
+    then goes through the escalation latch (``latch_rule``): a step escalated
+    from local to cloud for trouble (its value without the trouble terms,
+    ``StepScore.base_points``, is below the escalation bar) latches the turn on
+    cloud, every later step stays there until a progress event releases it, and
+    then the band decides again from the cloud leg. The decision's ``latch`` is the latch after the step;
+    its reason gives the trouble terms. The pace, applied last, may still
+    overrule it. Without a latch nothing here changes.
+
     The hysteresis keeps runs of local steps long: llama-server reuses its KV
     cache by longest common prefix, so flipping legs every step would make it
     reprocess the tail that grew while the other leg ran.
@@ -280,6 +458,8 @@ def decide_leg(
             keeps the design's rule.
         pace: The thread's continuation steps so far and the slack; ``None``
             leaves every continuation step to the score.
+        latch: The escalation latch as this step finds it; ``None``: no latch
+            (the seed's rule).
     """
     if not 0 <= cloud_share <= 100:
         raise ValueError(f"cloud_share must be between 0 and 100, got {cloud_share}")
@@ -303,10 +483,11 @@ def decide_leg(
         raise ValueError("fusion continuation steps need a score")
     base: float = cloud_threshold(cloud_share)
     value: float = score.score
+    base_value: float = int(score.base_points + 0.5)
     shown, label = str(score.score), f"T={base}"
     if score_quantiles is not None:
         base = check_score_quantiles(score_quantiles)[100 - cloud_share]
-        value = score.points
+        value, base_value = score.points, score.base_points
         shown, label = f"{score.score} ({value:g} points)", f"calibrated T={base:g}"
     escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
     half = round(escalate_at - base, 2)
@@ -314,12 +495,24 @@ def decide_leg(
         threshold = stay_down_to
         if value >= threshold:
             reason = f"score {shown} >= {threshold:g} ({label} - h={half:g}): stay on cloud"
-            return _paced(RouteDecision("cloud", score, threshold, reason), pace, cloud_share)
-        reason = f"score {shown} < {threshold:g} ({label} - h={half:g}): back to local"
-        return _paced(RouteDecision("local", score, threshold, reason), pace, cloud_share)
-    threshold = escalate_at
-    if value >= threshold:
-        reason = f"score {shown} >= {threshold:g} ({label} + h={half:g}): escalate to cloud"
-        return _paced(RouteDecision("cloud", score, threshold, reason), pace, cloud_share)
-    reason = f"score {shown} < {threshold:g} ({label} + h={half:g}): stay local"
-    return _paced(RouteDecision("local", score, threshold, reason), pace, cloud_share)
+            decision = RouteDecision("cloud", score, threshold, reason)
+        else:
+            reason = f"score {shown} < {threshold:g} ({label} - h={half:g}): back to local"
+            decision = RouteDecision("local", score, threshold, reason)
+    else:
+        threshold = escalate_at
+        if value >= threshold:
+            reason = f"score {shown} >= {threshold:g} ({label} + h={half:g}): escalate to cloud"
+            decision = RouteDecision("cloud", score, threshold, reason)
+        else:
+            reason = f"score {shown} < {threshold:g} ({label} + h={half:g}): stay local"
+            decision = RouteDecision("local", score, threshold, reason)
+    decision = _latched(
+        decision,
+        latch,
+        step=step,
+        escalated=current_leg != "cloud",
+        base_value=base_value,
+        base_shown=f"{base_value:g}",
+    )
+    return _paced(decision, pace, cloud_share)

@@ -18,9 +18,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+from langchain_core.messages import AIMessageChunk, BaseMessage, BaseMessageChunk
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph.state import CompiledStateGraph
@@ -30,6 +31,7 @@ from fusion_graph.errors import InvalidInput, ThreadBusy
 from fusion_graph.inputs import check_input
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
+from fusion_graph.redact import StreamScrubber, scrub_content, scrub_known
 from fusion_graph.shared_state import SharedStateUnavailable
 from fusion_graph.state import InputState, State
 
@@ -179,14 +181,14 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         if input is None:
             await self._check_resumable(config, thread)
         if thread is None or self.checkpointer is None:
-            async for chunk in super().astream(input, config, **kwargs):
+            async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
                 yield chunk
             return
         key = (id(asyncio.get_running_loop()), id(self.checkpointer), str(thread))
         lock = _GATES.acquire_key(key)
         try:
             async with lock, self._across_processes(str(thread)):
-                async for chunk in super().astream(input, config, **kwargs):
+                async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
                     yield chunk
         finally:
             _GATES.release_key(key)
@@ -221,6 +223,67 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
                     )
                 await asyncio.sleep(0.1)
             yield
+
+
+def _messages_part(chunk: Any) -> tuple[Any, Callable[[Any], Any]] | None:
+    """The ``(message, metadata)`` of a ``messages`` stream chunk, and how to put a new one back.
+
+    Chunks come as ``(message, metadata)`` (``stream_mode="messages"``), ``(mode,
+    payload)`` (several modes), with a namespace in front (``subgraphs=True``),
+    or as a ``{"type": "messages", "data": ...}`` part.
+    """
+    if isinstance(chunk, dict) and chunk.get("type") == "messages" and "data" in chunk:
+        return chunk["data"], lambda data: {**chunk, "data": data}
+    if not isinstance(chunk, tuple) or not chunk:
+        return None
+    if len(chunk) == 2 and isinstance(chunk[0], BaseMessage) and isinstance(chunk[1], dict):
+        return chunk, lambda data: data
+    if chunk[-2:-1] == ("messages",) or (len(chunk) == 2 and isinstance(chunk[1], tuple)):
+        inner = _messages_part(chunk[-1])
+        if inner is not None:
+            head = chunk[:-1]
+            return inner[0], lambda data: (*head, inner[1](data))
+    return None
+
+
+def _is_last(message: BaseMessage) -> bool:
+    """Whether a streamed chunk ends its message (or is a whole message)."""
+    if not isinstance(message, BaseMessageChunk):
+        return True
+    metadata = message.response_metadata or {}
+    return getattr(message, "chunk_position", None) == "last" or bool(metadata.get("finish_reason"))
+
+
+async def _scrubbed(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``stream`` with the operator's keys scrubbed from every streamed message, also across chunks.
+
+    The state is scrubbed where answers are recorded; the ``messages`` stream
+    carries the model's tokens before that, so each message's text is let out
+    through a ``StreamScrubber`` (a split key never leaves in pieces). What a
+    message still holds when the stream ends goes out as one more chunk.
+    """
+    scrubber = StreamScrubber()
+    envelopes: dict[str, tuple[Any, Callable[[Any], Any]]] = {}
+    async for chunk in stream:
+        part = _messages_part(chunk)
+        if part is None:
+            yield chunk
+            continue
+        (message, metadata), rebuild = part
+        stream_id = str(message.id or id(message))
+        update: dict[str, Any] = {}
+        if isinstance(message.content, str):
+            update["content"] = scrubber.feed(stream_id, message.content, last=_is_last(message))
+        else:
+            update["content"] = scrub_content(message.content)
+        chunks = getattr(message, "tool_call_chunks", None)
+        if chunks:
+            update["tool_call_chunks"] = [{**c, "args": scrub_known(c["args"] or "")} for c in chunks]
+        envelopes[stream_id] = (metadata, rebuild)
+        yield rebuild((message.model_copy(update=update), metadata))
+    for stream_id in scrubber.holding():
+        metadata, rebuild = envelopes[stream_id]
+        yield rebuild((AIMessageChunk(content=scrubber.flush(stream_id), id=stream_id), metadata))
 
 
 def serialised(

@@ -93,6 +93,10 @@ class State(InputState):
     """Provider that answered the last inference (repairs prefer it)."""
     notice: NotRequired[bool]
     """A batch was trimmed or the loop detector fired since the previous step."""
+    # NOTE: only with ``trouble_signals``: the ``route`` node writes the escalation latch its
+    # decision leaves (``RouteDecision.latch``), the next one reads it (``routing.Latch``).
+    latch: NotRequired[int | None]
+    """The step whose trouble latched this turn on cloud until a progress event (``None``: not held)."""
     repair_attempts: NotRequired[int]
     """Consecutive repairs of malformed tool calls in this turn."""
     repair_error: NotRequired[str | None]

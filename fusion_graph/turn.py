@@ -17,7 +17,17 @@ from langchain_core.tools import BaseTool
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.records import RouteRecord
-from fusion_graph.routing import Pace, RouteDecision, StepScore, StepSignals, decide_leg, score_step
+from fusion_graph.routing import (
+    Latch,
+    Pace,
+    RouteDecision,
+    StepScore,
+    StepSignals,
+    TroubleScore,
+    TroubleSignals,
+    decide_leg,
+    score_step,
+)
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.history_memo import HistoryMemo
@@ -30,6 +40,7 @@ from fusion_graph.sizing.tokens import (
     system_tokens,
 )
 from fusion_graph.state import PendingRoute, State, StepTally
+from fusion_graph.trouble import turn_trouble
 
 
 def _is_turn_start(message: BaseMessage) -> bool:
@@ -201,6 +212,24 @@ def step_signals(
     )
 
 
+def with_trouble(
+    signals: StepSignals, messages: Sequence[BaseMessage], latched: int | None
+) -> TroubleSignals:
+    """``signals`` with the trouble signals of the turn in ``messages`` and the latch the step finds.
+
+    The turn is the messages after its user's (``turn_start``); ``trouble.turn_trouble``
+    measures them.
+    """
+    trouble = turn_trouble(messages[turn_start(messages) + 1 :])
+    return TroubleSignals(
+        **vars(signals),
+        error_severity=trouble.error_severity,
+        no_progress=trouble.no_progress,
+        progress=trouble.progress,
+        latched=latched,
+    )
+
+
 def next_route(
     state: State,
     context: FusionContext,
@@ -223,6 +252,12 @@ def next_route(
     server's report); without it the prompt is estimated, ``tools`` included.
     ``budget`` is the context budget (``fit.conversation_budget``); without it,
     ``conversation_max_tokens`` or the fallback for an unknown window.
+
+    With ``trouble_signals``, a continuation step's signals carry the trouble
+    signals (``with_trouble``) and its decision goes through the escalation
+    latch in ``state["latch"]`` (``routing.Latch``); the decision's ``latch`` is
+    what the ``route`` node keeps there for the next step. Plans never carry
+    them: the plan starts a turn, with no latch.
     """
     if budget is None:
         budget = conversation_budget(context.conversation_max_tokens, None, context.max_completion_tokens)
@@ -238,6 +273,10 @@ def next_route(
         tools=tools,
         prompt_tokens=prompt_tokens,
     )
+    latch = None
+    if context.trouble_signals and not plan:
+        signals = with_trouble(signals, state["messages"], state.get("latch"))
+        latch = Latch(signals.latched, signals.progress)
     decision = decide_leg(
         mode=context.mode,
         step=step,
@@ -247,6 +286,7 @@ def next_route(
         hysteresis=context.hysteresis,
         score_quantiles=context.score_quantiles,
         pace=pace_of(state, context),
+        latch=latch,
     )
     return decision, signals
 
@@ -285,15 +325,15 @@ def to_pending(
 def from_pending(choice: PendingRoute) -> tuple[RouteDecision, StepSignals]:
     """The decision and signals ``to_pending`` wrote (the inverse, for the executor and records)."""
     breakdown = choice["breakdown"]
-    score = (
-        StepScore(score=choice["score"], **breakdown)
-        if choice["score"] is not None and breakdown is not None
-        else None
-    )
+    score: StepScore | None = None
+    if choice["score"] is not None and breakdown is not None:
+        kind = TroubleScore if "error_severity" in breakdown else StepScore
+        score = kind(score=choice["score"], **breakdown)
     decision = RouteDecision(
         choice["leg"], score, choice["threshold"], choice["reason"], budget=choice.get("budget")
     )
-    return decision, StepSignals(**choice["signals"])
+    signals = choice["signals"]
+    return decision, (TroubleSignals if "error_severity" in signals else StepSignals)(**signals)
 
 
 def handed_estimates(choice: PendingRoute | None) -> dict[str, Estimate] | None:

@@ -1,4 +1,4 @@
-"""The ``fusion-graph`` command line, one module per command (``run``, ``traces``, ``report``)."""
+"""The ``fusion-graph`` command line: a module per command (``run``, ``report``, ``doctor``...)."""
 
 from fusion_graph.cli.app import app
 

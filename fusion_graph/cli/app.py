@@ -3,12 +3,12 @@
 ::
 
     fusion-graph run "Rename foo to bar in app.py" --workspace .
-    fusion-graph replay ../shared/data/traces --cloud-share 30 --plot timelines.png
-    fusion-graph calibrate ../shared/data/traces --target-cloud-fraction 0.2 --json
+    fusion-graph replay --cloud-share 30 --plot timelines.png   # the bundled sample traces
+    fusion-graph calibrate my-traces/ --target-cloud-fraction 0.2 --json
     fusion-graph report --db .fusion-graph/threads.sqlite
     fusion-graph doctor --live
 
-Each command lives in its own module (``run``, ``traces``, ``report``, ``doctor``).
+Each command lives in its own module (``run``, ``replay``, ``calibrate``, ``report``, ``doctor``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Annotated
 
 import typer
 
+from fusion_graph.cli.calibrate import calibrate_command
 from fusion_graph.cli.doctor import doctor
+from fusion_graph.cli.replay import replay
 from fusion_graph.cli.report import report
 from fusion_graph.cli.run import run
-from fusion_graph.cli.traces import calibrate_command, replay
 
 app = typer.Typer(
     name="fusion-graph",

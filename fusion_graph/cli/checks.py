@@ -4,23 +4,52 @@ The cloud key is read like the graph reads its settings: ``FUSION_CLOUD_API_KEY`
 else the variable named by ``FUSION_CLOUD_API_KEY_ENV`` (``OPENAI_API_KEY``)
 from the environment, else that variable from ``./.env`` (``with_dotenv_key``),
 handed to the graph as the settings' ``cloud_api_key``: never exported to the
-process environment.
+process environment. ``doctor`` names the key and llama-server's start line
+through the same functions (``key_variable``, ``local_start_line``).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_graph.cli.common import fail
+from fusion_graph.redact import register_secret, scrub
 
 if TYPE_CHECKING:
     from langchain_core.language_models import BaseChatModel
 
     from fusion_graph.context import FusionContext
+    from fusion_graph.errors import LlamaServerUnavailable
     from fusion_graph.settings import FusionSettings
 
 ENV_FILE = Path(".env")
+
+#: An environment variable's name (POSIX): what ``FUSION_CLOUD_API_KEY_ENV`` must hold.
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Said instead of ``FUSION_CLOUD_API_KEY_ENV``'s value when that value is not a variable's name.
+KEY_IN_NAME = "FUSION_CLOUD_API_KEY_ENV holds what looks like a key, not a variable name"
+#: How to fix it (the key goes where a key belongs; the setting names a variable).
+KEY_IN_NAME_FIX = (
+    "put the key in FUSION_CLOUD_API_KEY (or in OPENAI_API_KEY), and set FUSION_CLOUD_API_KEY_ENV "
+    "to the name of the variable that holds it, or unset it"
+)
+
+
+def key_variable(settings: FusionSettings) -> str | None:
+    """The variable ``FUSION_CLOUD_API_KEY_ENV`` names; ``None`` when it holds something else.
+
+    A value that is not a variable's name (``sk-proj-...``), or a mixed-case one
+    that looks random, is taken for a key put in the wrong setting: it is
+    registered as a secret (``scrub`` removes it from any text) and callers say
+    ``KEY_IN_NAME`` instead of printing it.
+    """
+    name = settings.cloud_api_key_env
+    if _VARIABLE.fullmatch(name) and (name == name.upper() or scrub(name) == name):
+        return name
+    register_secret(name)
+    return None
 
 
 def needs_local(context: FusionContext) -> bool:
@@ -36,12 +65,13 @@ def with_dotenv_key(settings: FusionSettings, env_file: Path = ENV_FILE) -> Fusi
     environment only; this reads that variable from ``.env`` too and passes it
     as ``cloud_api_key``, so only the graph's cloud model sees it.
     """
-    if settings.api_key() is not None or not env_file.is_file():
+    variable = key_variable(settings)
+    if variable is None or settings.api_key() is not None or not env_file.is_file():
         return settings
     from dotenv import dotenv_values
     from pydantic import SecretStr
 
-    value = dotenv_values(env_file).get(settings.cloud_api_key_env)
+    value = dotenv_values(env_file).get(variable)
     return settings.model_copy(update={"cloud_api_key": SecretStr(value)}) if value else settings
 
 
@@ -52,12 +82,44 @@ def check_cloud_key(settings: FusionSettings) -> None:
     honour ``.env``). The graph's default chain builds both legs whatever the mode,
     so the key is needed even for a run that would only use llama-server.
     """
-    if settings.api_key() is None:
-        name = settings.cloud_api_key_env
-        raise fail(
-            f"the cloud leg needs an API key: export {name}=... or write {name}=... in ./.env "
-            "(FUSION_CLOUD_API_KEY_ENV names the variable; FUSION_CLOUD_API_KEY holds the key itself)"
-        )
+    if settings.api_key() is not None:
+        return
+    name = key_variable(settings)
+    if name is None:
+        raise fail(f"the cloud leg needs an API key, and {KEY_IN_NAME}: {KEY_IN_NAME_FIX}")
+    raise fail(
+        f"the cloud leg needs an API key: export {name}=... or write {name}=... in ./.env "
+        "(FUSION_CLOUD_API_KEY_ENV names the variable; FUSION_CLOUD_API_KEY holds the key itself)"
+    )
+
+
+def first_prompt_tokens(context: FusionContext, settings: FusionSettings) -> int:
+    """Estimated tokens of the first prompt a turn sends: system prompt, built-in tools, a short task."""
+    from langchain_core.messages import HumanMessage
+
+    from fusion_graph.sizing.tokens import prompt_estimate
+    from fusion_graph.tools import make_workspace_tools
+
+    task = HumanMessage("Rename foo to bar in src/app.py and update its tests.")
+    return prompt_estimate(context.system_prompt, [task], make_workspace_tools(settings=settings))
+
+
+def local_start_line(context: FusionContext, settings: FusionSettings, slots: int = 4) -> str:
+    """How to start llama-server for this run: slots that hold its first prompt and answer budget.
+
+    ``run`` and ``doctor`` both say this line (``llama_server.start_command``).
+    """
+    from fusion_graph.providers.llama_server import start_command
+
+    prompt = first_prompt_tokens(context, settings)
+    return start_command(context.max_completion_tokens, prompt_tokens=prompt, slots=slots)
+
+
+def unreachable_reason(error: LlamaServerUnavailable) -> str:
+    """Why llama-server could not be read, without the generic start hint (callers give their own)."""
+    from fusion_graph.providers.llama_server import START_HINT
+
+    return scrub(str(error).removesuffix("; " + START_HINT))
 
 
 async def check_local_server(
@@ -65,7 +127,7 @@ async def check_local_server(
 ) -> None:
     """Raise a CLI error naming the URL, the variable and how to start llama-server when it is down."""
     from fusion_graph.errors import LlamaServerUnavailable, NotLlamaServer
-    from fusion_graph.providers.llama_server import START_HINT, fetch_total_slots
+    from fusion_graph.providers.llama_server import fetch_total_slots
 
     if not needs_local(context):
         return
@@ -73,8 +135,9 @@ async def check_local_server(
         await fetch_total_slots(settings.local_base_url, timeout=timeout)
     except LlamaServerUnavailable as error:
         raise fail(
-            f"llama-server is not reachable at {settings.local_base_url}: point FUSION_LOCAL_BASE_URL "
-            f"at its /v1 URL, or {START_HINT}.\n  ({error})"
+            f"llama-server is not reachable at {settings.local_base_url} ({unreachable_reason(error)}): "
+            f"start it: {local_start_line(context, settings)} (explicit -np keeps one KV cache per slot; "
+            "context per slot is -c / -np), or point FUSION_LOCAL_BASE_URL at its /v1 URL"
         ) from error
     except NotLlamaServer:
         pass  # another OpenAI-compatible server: it runs, without slot affinity

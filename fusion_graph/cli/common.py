@@ -22,6 +22,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fusion_graph.records import SIDE_KINDS
+from fusion_graph.redact import scrub_known
+
 if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
     from fusion_graph.records import RouteRecord
@@ -35,14 +38,24 @@ def stderr_console() -> Console:
 
 
 def stdout_console() -> Console:
-    """A console on stdout; 120 columns wide when stdout is not a terminal (pipes, files, tests)."""
-    console = Console()
-    return console if console.is_terminal else Console(width=120)
+    """A console on stdout, as wide as the terminal; off one (pipes, files), ``COLUMNS`` or 80.
+
+    Every table is laid out to read at 80 columns (``tables``), so output sent
+    to a file reads like the terminal's.
+    """
+    return Console()
 
 
 def fail(message: str) -> typer.Exit:
-    """Print ``message`` as an error on stderr; the caller raises the returned ``Exit(2)``."""
-    stderr_console().print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print ``message`` as an error on stderr; the caller raises the returned ``Exit(2)``.
+
+    Registered secrets are replaced first (a key put where a variable's name
+    belongs is registered by ``checks.key_variable``).
+    """
+    from rich.markup import escape
+
+    text = escape(scrub_known(message))
+    stderr_console().print(f"[bold red]error:[/] {text}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -188,7 +201,7 @@ class CloudShare:
     @classmethod
     def of(cls, records: Sequence[RouteRecord]) -> CloudShare:
         """The share of ``records`` (``route_log`` entries), by the leg the router chose."""
-        steps = [r for r in records if r["kind"] not in ("memory", "synthesis", "sampling")]
+        steps = [r for r in records if r["kind"] not in SIDE_KINDS]
         continuation = [r for r in steps if r["kind"] == "step"]
         plans = [r for r in steps if r["kind"] == "plan"]
         return cls(

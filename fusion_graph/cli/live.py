@@ -13,14 +13,19 @@ It is fed by events (plain dicts), so a recorded stream renders the same table:
   terminal): streamed chunks of the running inference, for the ticker.
 
 The long routing reason is shown below the table for the last step only (all
-steps with ``details``).
+steps with ``details``). Each inference is one row, a memory job's repair too,
+so the rows and the per-provider counts after the turn agree; memory jobs of
+an earlier turn that finished since (folded into this turn) are labelled as
+such. The decision event's ``routed_leg`` is where the router sent a step, the
+outcome's ``leg`` who answered: the view says "routed" and "answered by".
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +33,8 @@ from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderR
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
+
+from fusion_graph.cli.tables import add_number_columns, compact_table
 
 ROUTE_EVENT = "fusion_route"  # the executor's event name (kept literal: no import of the node layer)
 ANSWER_EVENT = "fusion_answer"
@@ -38,6 +45,8 @@ CUT_NOTE = (
     f"{CUT}: the answer stopped at max_tokens (finish_reason 'length'); "
     "raise max_completion_tokens in --context"
 )
+#: Under a table with a fallover: how to read ``cloud 503 → local``.
+LEG_NOTE = "leg: routed, then the failed attempt, → the leg that answered"
 #: Short labels of failed attempts by error class (an HTTP status in the message wins).
 _ERROR_LABELS = {
     "rate_limited": "429",
@@ -146,16 +155,21 @@ class StepTable:
             return
         if name not in (ROUTE_EVENT, ANSWER_EVENT):
             return
-        key = (int(event.get("turn", 0)), int(event.get("step", 0)), str(event.get("kind", "step")))
+        kind = str(event.get("kind", "step"))
+        key = (int(event.get("turn", 0)), int(event.get("step", 0)), kind)
         row = self.rows.get(key)
+        if row is not None and row.done and kind == "memory" and name == ROUTE_EVENT:
+            # a job's repair (or a second job) at the same turn and step: an inference, a row of its own
+            key = (key[0], key[1], f"memory#{sum(k[:2] == key[:2] for k in self.rows) + 1}")
+            row = None
         if row is None:
             routed = str(event.get("routed_leg") or event.get("leg") or "?")
-            row = self.rows[key] = StepRow(*key, routed_leg=routed, started=self.clock())
+            row = self.rows[key] = StepRow(key[0], key[1], kind, routed_leg=routed, started=self.clock())
         if name == ANSWER_EVENT:
             row.tools = [str(tool) for tool in event.get("tools") or ()]
             row.truncated = event.get("finish_reason") == "length"
             return
-        if key[2] != "memory":
+        if kind != "memory":
             self.turn = max(self.turn, key[0])
         self.last = key
         row.score = event.get("score", row.score)
@@ -239,21 +253,41 @@ class StepTable:
             )
         return table
 
+    def _folded(self) -> str | None:
+        """The legend of memory rows of earlier turns: ``0.2: a memory job of turn 0 ...``."""
+        rows = [row for row in self.rows.values() if row.kind == "memory" and row.turn < self.turn]
+        labels = list(dict.fromkeys(self._step(row) for row in rows))
+        if not labels:
+            return None
+        turns = ", ".join(str(t) for t in dict.fromkeys(row.turn for row in rows))
+        return (
+            f"{', '.join(labels)} memory: of turn {turns}, finished after it; folded into this turn "
+            "and counted in its totals"
+        )
+
     def notes(self) -> list[RenderableType]:
-        """The reasons (last step, or all with ``details``), the running ticker and the cut legend."""
+        """The reasons (last step, or all with ``details``), the running ticker and the legends."""
         lines: list[RenderableType] = []
         shown = list(self.rows.values()) if self.details else [self.rows[self.last]] if self.last else []
         for row in shown:
-            who = row.provider or (f"the {row.routed_leg} leg" if not row.done else "no provider")
             kind = "" if row.kind == "step" else f" {row.kind}"
-            lines.append(Text(f"step {self._step(row)}{kind} on {who}: {row.reason or '-'}", style="dim"))
+            answered = (
+                f" (answered by {row.provider})" if row.provider else " (no answer)" if row.done else ""
+            )
+            text = f"step {self._step(row)}{kind} routed {row.routed_leg}: {row.reason or '-'}{answered}"
+            lines.append(Text(text, style="dim"))
         running = self.running
         if running is not None:
             kind = "" if running.kind == "step" else f" {running.kind}"
-            text = f"step {self._step(running)}{kind} on {running.routed_leg}: {self._time(running)}"
+            text = f"step {self._step(running)}{kind} routed {running.routed_leg}: {self._time(running)}"
             if running.streamed:
                 text += f", {running.streamed} tokens streamed"
             lines.append(Spinner("dots", text=text))
+        folded = self._folded()
+        if folded is not None:
+            lines.append(Text(folded, style="dim"))
+        if any(row.done and row.attempts and not row.failed for row in self.rows.values()):
+            lines.append(Text(LEG_NOTE, style="dim"))
         if any(row.truncated for row in self.rows.values()):
             lines.append(Text(CUT_NOTE, style="yellow"))
         return lines
@@ -271,14 +305,30 @@ class StepTable:
 # -- after the turn -------------------------------------------------------------------
 
 
-def provider_summary(totals: Mapping[str, Any]) -> Table:
-    """Per answering provider, then per leg and in total: inferences, tokens and cost."""
-    table = Table(title="per provider", title_justify="left", box=None, pad_edge=False, header_style="bold")
-    for name in ("provider", "inferences", "prompt", "cached", "completion", "cost"):
-        table.add_column(name, justify="left" if name == "provider" else "right", no_wrap=name != "provider")
-    rows = [*sorted(totals["by_provider"].items()), ("local leg", totals["local"])]
-    for name, leg in [*rows, ("cloud leg", totals["cloud"]), ("total", totals["total"])]:
-        cost = _cost(leg["cost_usd"]) + (f" (+{leg['unpriced']} unpriced)" if leg["unpriced"] else "")
+def counted(records: Sequence[Mapping[str, Any]]) -> str:
+    """What a per-provider table counts: ``3 inferences, one per row above (1 plan, 2 memory)``."""
+    kinds = Counter(str(r["kind"]) for r in records)
+    parts = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    total = len(records)
+    return f"{total} inference{'' if total == 1 else 's'}, one per row above" + (
+        f" ({parts})" if parts else ""
+    )
+
+
+def provider_summary(totals: Mapping[str, Any], records: Sequence[Mapping[str, Any]] | None = None) -> Table:
+    """Per answering provider, then per answering leg and in total: inferences, tokens and cost.
+
+    Args:
+        totals: ``RunResult.totals``.
+        records: The records counted (``RunResult.route_log``), to say in the title what is counted.
+    """
+    title = "answered, per provider" + (f": {counted(records)}" if records is not None else "")
+    table = compact_table(title)
+    table.add_column("provider", overflow="fold")
+    add_number_columns(table, "inferences", "prompt", "cached", "completion", "cost")
+    rows = [*sorted(totals["by_provider"].items()), ("answered by local", totals["local"])]
+    for name, leg in [*rows, ("answered by cloud", totals["cloud"]), ("total", totals["total"])]:
+        cost = _cost(leg["cost_usd"]) + (f"\n+{leg['unpriced']} unpriced" if leg["unpriced"] else "")
         table.add_row(
             Text(name, style="bold" if name == "total" else ""),
             str(leg["inferences"]),
@@ -307,5 +357,5 @@ def print_result(console: Console, result: Any) -> None:
     if result.truncated:
         console.print(Text(f"{CUT} this answer stopped at max_tokens: it may be incomplete", style="yellow"))
     console.print()
-    console.print(provider_summary(result.totals))
+    console.print(provider_summary(result.totals, result.route_log))
     console.print(CloudShare.of(result.route_log).line(), highlight=False)

@@ -1,4 +1,9 @@
-"""``fusion-graph report``: cost, savings and routing of the threads stored in a SQLite checkpoint file."""
+"""``fusion-graph report``: cost, savings and routing of the threads stored in a SQLite checkpoint file.
+
+Cost, all-cloud cost and savings count the same inferences: those with a price,
+when they ran or now (``cli.prices``); the rest are counted apart. Both tables
+read at 80 columns with every number whole (``cli.tables``).
+"""
 
 from __future__ import annotations
 
@@ -20,13 +25,14 @@ from fusion_graph.cli.common import (
     build_context,
     build_settings,
     fail,
-    run_prices,
     stderr_console,
     stdout_console,
     storage,
 )
+from fusion_graph.cli.prices import cloud_prices, price_note, priced_costs
 from fusion_graph.cli.run import DEFAULT_DB
-from fusion_graph.records import kept_local_by_budget
+from fusion_graph.cli.tables import add_number_columns, compact_table
+from fusion_graph.records import SIDE_KINDS, kept_local_by_budget
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -113,36 +119,6 @@ def stored_route_logs(db: Path, thread: str | None = None) -> dict[str, list[Rou
     return {tid: stored.route_log for tid, stored in stored_threads(db, thread).items()}
 
 
-def all_cloud_cost(records: Sequence[RouteRecord], cloud: TokenPrices | None) -> float | None:
-    """What the same tokens (same cache hits) would have cost at the cloud prices; ``None``: unknown price.
-
-    Cloud inferences keep their recorded cost when they have one.
-    """
-    from fusion_graph.providers.pricing import answering_leg
-
-    if cloud is None:
-        return None
-    total = 0.0
-    for record in records:
-        if answering_leg(record) == "cloud" and record["cost_usd"] is not None:
-            total += record["cost_usd"]
-            continue
-        prompt, completion = record["prompt_tokens"], record["completion_tokens"]
-        if prompt is None or completion is None:
-            continue  # unreported: counted as such by chain_totals
-        cached = min(record["cached_tokens"] or 0, prompt)
-        total += cloud.cost(prompt, cached, completion)
-    return total
-
-
-def savings(cost: float, all_cloud: float | None) -> tuple[float | None, float | None]:
-    """``(all_cloud - cost, that as a fraction of all_cloud)``; ``None`` where unknown."""
-    if all_cloud is None:
-        return None, None
-    saved = all_cloud - cost
-    return saved, (round(saved / all_cloud, 4) if all_cloud > 0 else None)
-
-
 def budget_summary(records: Sequence[RouteRecord]) -> dict[str, Any]:
     """Cloud spend of a thread's records against the budget rule's terms.
 
@@ -166,15 +142,22 @@ def budget_summary(records: Sequence[RouteRecord]) -> dict[str, Any]:
     }
 
 
-def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) -> dict[str, Any]:
-    """Routing, cost and savings of one thread's records (both cloud shares: see ``CloudShare``)."""
+def thread_summary(
+    records: Sequence[RouteRecord], cloud: TokenPrices | None, cloud_model: str
+) -> dict[str, Any]:
+    """Routing, cost and savings of one thread's records (both cloud shares: see ``CloudShare``).
+
+    Cost, all-cloud cost and savings are over the inferences with a price
+    (``prices.priced_costs``); ``unpriced`` counts the others, ``repriced`` those
+    priced now from their recorded tokens.
+    """
     from fusion_graph.providers.pricing import chain_totals
 
     totals = chain_totals(records)
     share = CloudShare.of(records)
-    legs = [r["routed_leg"] for r in records if r["kind"] not in ("memory", "synthesis", "sampling")]
-    all_cloud = all_cloud_cost(records, cloud)
-    saved, fraction = savings(totals.total.cost_usd, all_cloud)
+    legs = [r["routed_leg"] for r in records if r["kind"] not in SIDE_KINDS]
+    costs = priced_costs(records, cloud, cloud_model)
+    saved, fraction = costs.savings
     return {
         "turns": len({r["turn"] for r in records}),
         "inferences": totals.total.inferences,
@@ -190,9 +173,12 @@ def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) ->
         "prompt_tokens": totals.total.prompt_tokens,
         "cached_tokens": totals.total.cached_tokens,
         "completion_tokens": totals.total.completion_tokens,
-        "cost_usd": totals.total.cost_usd,
-        "unpriced": totals.total.unpriced,
-        "all_cloud_cost_usd": all_cloud,
+        "cost_usd": costs.cost_usd,
+        "priced_inferences": costs.priced,
+        "repriced": costs.repriced,
+        "unpriced": costs.unpriced,
+        "unpriced_providers": list(costs.unpriced_providers),
+        "all_cloud_cost_usd": costs.all_cloud_usd,
         "savings_usd": saved,
         "savings_fraction": fraction,
         **budget_summary(records),
@@ -200,30 +186,17 @@ def thread_summary(records: Sequence[RouteRecord], cloud: TokenPrices | None) ->
 
 
 def totals_summary(
-    logs: Sequence[Sequence[RouteRecord]], rows: Sequence[dict[str, Any]], cloud: TokenPrices | None
+    logs: Sequence[Sequence[RouteRecord]],
+    rows: Sequence[dict[str, Any]],
+    cloud: TokenPrices | None,
+    cloud_model: str,
 ) -> dict[str, Any]:
     """All threads together: their records summarised at once, turns and switches added up per thread."""
-    total = thread_summary([record for log in logs for record in log], cloud)
+    total = thread_summary([record for log in logs for record in log], cloud, cloud_model)
     for name in ("turns", "switches"):
         total[name] = sum(row[name] for row in rows)
     total["max_turn_cloud_usd"] = max((row["max_turn_cloud_usd"] for row in rows), default=0.0)
     return {"threads": len(rows), **total}
-
-
-def price_hint(cloud_model: str, cloud: TokenPrices | None, unpriced: int) -> str | None:
-    """How to price what the report could not, naming the settings; ``None`` when every price is known."""
-    if cloud is not None and not unpriced:
-        return None
-    what = (
-        f"the cloud model {cloud_model!r} has no known price (all-cloud and savings are unknown)"
-        if cloud is None
-        else f"{unpriced} inference(s) have no cost (their provider's price is unknown)"
-    )
-    return (
-        f"{what}: set FUSION_PRICE_OVERRIDES='{{\"{cloud_model}\": [input, output, cached_input]}}' "
-        "(USD per million tokens, by model name or provider id), or FUSION_CLOUD_PRICE_LIKE=openai "
-        "for a gateway that bills like a catalogue provider"
-    )
 
 
 def _money(value: float | None) -> str:
@@ -237,42 +210,42 @@ def _saved(row: dict[str, Any]) -> str:
     return _money(row["savings_usd"]) + (f"\n{fraction:.0%}" if fraction is not None else "")
 
 
-def _started(ts: str | None) -> str:
+def _started(ts: str | None) -> str | None:
     if not ts:
-        return "-"
+        return None
     try:
-        return datetime.fromisoformat(ts).astimezone().strftime("%Y-%m-%d\n%H:%M")
+        return datetime.fromisoformat(ts).astimezone().strftime("%Y-%m-%d %H:%M")
     except ValueError:
         return ts
 
 
+#: Under the report table: what its columns count.
+REPORT_CAPTION = (
+    "turns/steps: per thread; cloud all/cont.: share of all steps, and of continuation steps, routed "
+    "to cloud; "
+    f"{PLAN_NOTE}. cost, all-cloud and saved count the inferences with a price"
+)
+
+
 def report_table(db: Path, threads: dict[str, dict[str, Any]], total: dict[str, Any]) -> Table:
-    """One row per thread (its first message under its id) and a totals row."""
-    from rich import box
-    from rich.table import Table
+    """One row per thread (its start and first message under its id) and a totals row.
+
+    Six number columns (pairs joined by ``/``) beside one text column that
+    wraps: it reads at 80 columns with every number whole.
+    """
     from rich.text import Text
 
-    table = Table(
-        title=f"threads in {db}",
-        caption=f"cloud all: share of all steps; cloud cont.: of continuation steps;\n{PLAN_NOTE}",
-        box=box.SIMPLE_HEAD,
-        collapse_padding=True,
-        pad_edge=False,
-        title_justify="left",
-        caption_justify="left",
-    )
-    table.add_column("thread", overflow="fold", max_width=24)
-    table.add_column("started", no_wrap=True)
-    for name in ("turns", "steps", "cloud\nall", "cloud\ncont.", "switches", "cost", "all-cloud", "saved"):
-        table.add_column(name, justify="right", no_wrap=True)
+    table = compact_table(f"threads in {db}", REPORT_CAPTION)
+    table.add_column("thread", overflow="fold", min_width=12)
+    add_number_columns(table, "turns/\nsteps", "cloud\nall/cont.", "switches", "cost", "all-cloud", "saved")
 
     def cells(row: dict[str, Any]) -> list[str]:
-        cost = _money(row["cost_usd"]) + (f"\n+{row['unpriced']} unpriced" if row["unpriced"] else "")
+        cost = _money(row["cost_usd"])
+        cost += f"\n{row['repriced']} repriced" if row["repriced"] else ""
+        cost += f"\n+{row['unpriced']} unpriced" if row["unpriced"] else ""
         return [
-            str(row["turns"]),
-            str(row["steps"]),
-            f"{row['cloud_fraction']:.2f}",
-            f"{row['continuation_cloud_fraction']:.2f}",
+            f"{row['turns']}/{row['steps']}",
+            f"{row['cloud_fraction']:.2f}/{row['continuation_cloud_fraction']:.2f}",
             str(row["switches"]),
             cost,
             _money(row["all_cloud_cost_usd"]),
@@ -281,10 +254,11 @@ def report_table(db: Path, threads: dict[str, dict[str, Any]], total: dict[str, 
 
     for index, (tid, row) in enumerate(threads.items()):
         label = Text(tid)
-        if row["first_message"]:
-            label.append(f"\n{row['first_message']}", style="dim")
-        table.add_row(label, _started(row["started_at"]), *cells(row), end_section=index == len(threads) - 1)
-    table.add_row(Text(f"total ({total['threads']})", style="bold"), "", *cells(total), style="bold")
+        for extra in (_started(row["started_at"]), row["first_message"]):
+            if extra:
+                label.append(f"\n{extra}", style="dim")
+        table.add_row(label, *cells(row), end_section=index == len(threads) - 1)
+    table.add_row(Text(f"total ({total['threads']})", style="bold"), *cells(total), style="bold")
     return table
 
 
@@ -302,8 +276,6 @@ def budget_table(
     The thread's spend is shown against the thread budget, its largest turn's
     against the turn budget.
     """
-    from rich import box
-    from rich.table import Table
     from rich.text import Text
 
     limits = ", ".join(
@@ -311,20 +283,14 @@ def budget_table(
         for name, key in (("turn", "turn_usd"), ("thread", "thread_usd"))
         if budget[key] is not None
     )
-    table = Table(
-        title="cloud spend against budget ("
-        + (f"operator budgets: {limits}" if limits else "no budget set")
-        + ")",
-        caption="spend: cost of the inferences cloud answered; kept local: steps a budget moved off cloud",
-        box=box.SIMPLE_HEAD,
-        collapse_padding=True,
-        pad_edge=False,
-        title_justify="left",
-        caption_justify="left",
+    table = compact_table(
+        "cloud spend against budget (" + (f"operator budgets: {limits}" if limits else "no budget set") + ")",
+        "spend: cost of the inferences cloud answered; kept local: steps a budget moved off cloud",
     )
-    table.add_column("thread", overflow="fold", max_width=24)
-    for name in ("cloud spend", "largest turn", "kept local", "synthesis\ndone", "synthesis\nskipped"):
-        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("thread", overflow="fold", min_width=12)
+    add_number_columns(
+        table, "cloud spend", "largest turn", "kept local", "synthesis\ndone", "synthesis\nskipped"
+    )
 
     def cells(row: dict[str, Any], thread_limit: float | None) -> list[str]:
         return [
@@ -357,34 +323,39 @@ def report(
     The all-cloud figure prices every inference's reported tokens (cached ones
     as cached) at the cloud model's prices (FUSION_CLOUD_MODEL, or the context's
     cloud_model; FUSION_PRICE_OVERRIDES or the genai-prices catalogue); cloud
-    inferences keep their recorded cost. Savings are all-cloud minus cost. Both
-    cloud shares are shown: of all steps, and of continuation steps (what
-    cloud_share sets; each turn's plan runs on cloud whenever cloud_share > 0).
+    inferences keep their recorded cost. Savings are all-cloud minus cost, both
+    over the inferences with a price: a cloud inference unpriced when it ran is
+    priced now from its tokens when its price is known now; others without a
+    price are counted apart. Both cloud shares are shown: of all steps, and of
+    continuation steps (what cloud_share sets; each turn's plan runs on cloud
+    whenever cloud_share > 0).
 
     A second table shows each thread's cloud spend against the operator's
     budgets (FUSION_TURN_CLOUD_BUDGET_USD, FUSION_THREAD_CLOUD_BUDGET_USD, when
     set): the thread's spend, its largest turn's, the steps a budget kept local
     and the re-syntheses of local replies made and skipped.
     """
-    run_context = build_context(context)
-    settings = build_settings()
-    prices = run_prices(run_context, settings).cloud
-    if not db.is_file():
+    if not db.is_file():  # before anything is loaded or priced
         raise fail(
             f"no checkpoint database at {db}: `fusion-graph run` writes it (or pass --db with its file)"
         )
+    run_context = build_context(context)
+    settings = build_settings()
     with storage(f"--db {db}"):
         stored = stored_threads(db, thread)
+    prices = cloud_prices(run_context, settings)
+    model = run_context.cloud_model or settings.cloud_model
     threads = {
         tid: {
-            **thread_summary(one.route_log, prices),
+            **thread_summary(one.route_log, prices, model),
             "started_at": one.started_at,
             "first_message": one.first_message,
         }
         for tid, one in stored.items()
     }
-    total = totals_summary([one.route_log for one in stored.values()], list(threads.values()), prices)
-    hint = price_hint(run_context.cloud_model or settings.cloud_model, prices, total["unpriced"])
+    logs = [one.route_log for one in stored.values()]
+    total = totals_summary(logs, list(threads.values()), prices, model)
+    hint = price_note(settings, model, prices, priced_costs([r for log in logs for r in log], prices, model))
     budget = {"turn_usd": settings.turn_cloud_budget_usd, "thread_usd": settings.thread_cloud_budget_usd}
     if as_json:
         output = {

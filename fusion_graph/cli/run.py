@@ -2,15 +2,20 @@
 
 ``run_task`` is the command without the terminal: it opens the thread's
 checkpoints and the memory store, runs one turn, waits for its memory jobs
-and returns a ``RunResult``. The command adds the fail-fast checks (cloud key,
-also read from ``./.env``, and llama-server: ``cli.checks``), the live view
-(``cli.live``) or ``--json``.
+(at most as long as the answer took: ``cli.memory_wait``) and returns a
+``RunResult``. The command first refuses bad input without loading LangGraph
+(``--db``, ``--postgres``, ``--thread``: ``stores.check_target``), then makes the
+fail-fast checks (cloud key, also read from ``./.env``, and llama-server:
+``cli.checks``), and shows the live view (``cli.live``) or prints ``--json``.
+Interrupted (Ctrl-C) once the thread exists, it still says how to continue it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -20,9 +25,12 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 import typer
 
 from fusion_graph.cli.checks import (
+    KEY_IN_NAME,
+    KEY_IN_NAME_FIX,
     check_cloud_key,
     check_local_server,
     default_models,
+    key_variable,
     needs_local,
     with_dotenv_key,
 )
@@ -36,6 +44,8 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.live import StepTable
+from fusion_graph.cli.memory_wait import LEFT_PENDING, WaitTicker, memory_wait_limit, wait_for_memory_jobs
+from fusion_graph.cli.stores import check_target, no_thread, thread_saved
 from fusion_graph.errors import RunError
 
 if TYPE_CHECKING:
@@ -89,6 +99,9 @@ class RunResult:
         cloud_share: ``CloudShare.as_dict`` of ``route_log``.
         turn: Index of the turn in its thread.
         truncated: The answer stopped at ``max_tokens`` (``finish_reason == "length"``).
+        answer_s: Seconds from the start of the run to its answer (it bounds the memory wait).
+        memory_pending: Memory jobs were still running when the wait ended: they stay pending,
+            and the thread's next turn runs them.
     """
 
     answer: str | None
@@ -98,6 +111,8 @@ class RunResult:
     cloud_share: dict[str, Any]
     turn: int
     truncated: bool
+    answer_s: float = 0.0
+    memory_pending: bool = False
 
     def as_json(self) -> str:
         """The result as one JSON object (what ``run --json`` prints)."""
@@ -185,8 +200,8 @@ async def run_task(
             models then answer by streaming).
         on_turn_end: Called with the result when the turn ends, before memory jobs are awaited.
         memory_wait_s: Seconds to wait for the turn's background memory jobs before
-            returning; ``None``: ``settings.memory_timeout_s`` + 5. A job still running
-            then is finished at the thread's next turn.
+            returning; ``None``: as long as the answer took (``memory_wait.memory_wait_limit``).
+            A job still running then is finished at the thread's next turn.
 
     Returns:
         The turn's ``RunResult``.
@@ -203,9 +218,9 @@ async def run_task(
     from fusion_graph.agent import build_graph
     from fusion_graph.cli.stores import has_checkpoint, open_saver, open_store
     from fusion_graph.context import ensure_context
-    from fusion_graph.memory import drain
     from fusion_graph.providers.resolver import ProviderResolver
 
+    started = time.monotonic()
     context = ensure_context(context)
     if settings is None:
         from fusion_graph.settings import FusionSettings
@@ -219,8 +234,7 @@ async def run_task(
     cloud, local = models if models is not None else (None, None)
     async with open_saver(db, postgres) as saver, open_store(db, postgres) as store:
         if thread_id is not None and not new_thread and not await has_checkpoint(saver, thread):
-            where = "--postgres" if postgres else f"--db {db}"
-            raise RunError(f"thread {thread!r} has no checkpoint in {where}; use --new-thread to start it")
+            raise no_thread(thread, "--postgres" if postgres else f"--db {db}")
         resolver = ProviderResolver(cloud=cloud, local=local, settings=settings)
         try:
             graph = build_graph(resolver=resolver, checkpointer=saver, store=store)
@@ -244,11 +258,13 @@ async def run_task(
                 cloud_share=CloudShare.of(records).as_dict(),
                 turn=int(values.get("turn", 0)),
                 truncated=answer is not None and answer.response_metadata.get("finish_reason") == "length",
+                answer_s=round(time.monotonic() - started, 3),
             )
             if on_turn_end is not None:
                 on_turn_end(result)
             # Background memory jobs use the store and the providers: finish them before closing either.
-            await drain(timeout=settings.memory_timeout_s + 5 if memory_wait_s is None else memory_wait_s)
+            limit = memory_wait_limit(settings, result.answer_s) if memory_wait_s is None else memory_wait_s
+            result = dataclasses.replace(result, memory_pending=await wait_for_memory_jobs(limit))
         finally:
             await resolver.aclose()
     return result
@@ -263,7 +279,12 @@ async def _run(
     details = bool(options.pop("details", False))
     models = await MODELS(context, settings)
     if as_json:
-        return await run_task(task, context=context, settings=settings, models=models, **options)
+        done = await run_task(task, context=context, settings=settings, models=models, **options)
+        if done.memory_pending:  # said on stderr: stdout holds the one JSON object
+            stderr_console().print(
+                f"memory jobs still running: {LEFT_PENDING}", highlight=False, soft_wrap=True
+            )
+        return done
     from rich.live import Live
 
     from fusion_graph.cli.live import StepTable, print_result
@@ -271,17 +292,20 @@ async def _run(
     console = stdout_console()
     steps = StepTable(details=details)
     notes = stderr_console()
-    waiting = notes.status("waiting for memory jobs…")
+    waiting = notes.status("waiting for memory jobs")
     live = Live(steps.render(), console=console, refresh_per_second=8)
+    ticker: list[WaitTicker] = []
 
     def turn_end(result: RunResult) -> None:
         live.stop()
         print_result(console, result)
+        ticker.append(WaitTicker(memory_wait_limit(settings, result.answer_s)))
+        waiting.update(ticker[0])
         waiting.start()
 
     with live:
         try:
-            return await run_task(
+            result = await run_task(
                 task,
                 context=context,
                 settings=settings,
@@ -293,6 +317,26 @@ async def _run(
             )
         finally:
             waiting.stop()
+    outcome = ticker[0].outcome(result.memory_pending) if ticker else None
+    if outcome is not None:
+        notes.print(outcome, highlight=False, soft_wrap=True)
+    return result
+
+
+def continue_line(name: str, where: str) -> str:
+    """How to go on with a thread (printed after each run, and when one is interrupted)."""
+    return f"thread {name} saved in {where}; continue it with --thread {name}"
+
+
+def interrupted(name: str, db: Path, postgres: str | None) -> typer.Exit:
+    """Ctrl-C: once the thread has a checkpoint, say how to continue it; exit code 130."""
+    where = "Postgres" if postgres else str(db)
+    if thread_saved(db, postgres, name):
+        line = f"interrupted: {continue_line(name, where)} (memory jobs not finished run at its next turn)"
+    else:
+        line = f"interrupted before thread {name} was saved: nothing to continue"
+    stderr_console().print(line, highlight=False, soft_wrap=True)
+    return typer.Exit(130)
 
 
 def run(
@@ -330,7 +374,9 @@ def run(
     in the environment or ./.env; llama-server at FUSION_LOCAL_BASE_URL). A
     missing key or an unreachable llama-server fails at once. --context holds
     run choices (cloud_share, a calibrated score_quantiles table, limits).
-    Memory jobs run after the reply and are awaited before the command exits.
+    Memory jobs run after the reply and are awaited at most as long as the answer
+    took; those still running are left to the thread's next turn. Ctrl-C after the
+    thread is saved still prints how to continue it.
     """
     from fusion_graph.errors import (
         ChainExhausted,
@@ -345,12 +391,17 @@ def run(
         raise fail(f"--workspace {workspace} is not a directory")
     run_context = build_context(context)
     settings = with_dotenv_key(build_settings(workspace_root=str(workspace.resolve())))
+    if key_variable(settings) is None and settings.api_key() is not None:
+        stderr_console().print(f"note: {KEY_IN_NAME}: {KEY_IN_NAME_FIX}", highlight=False, soft_wrap=True)
     name = thread or uuid.uuid4().hex[:12]
     options = {"thread_id": name, "new_thread": new_thread or thread is None, "db": db, "postgres": postgres}
     where = "Postgres" if postgres else str(db)
     try:
         with storage("--postgres" if postgres else f"--db {db}"):
+            check_target(db, postgres, thread, new_thread)  # before LangGraph loads or a server is asked
             result = asyncio.run(_run(task, run_context, settings, {**options, "details": details}, as_json))
+    except KeyboardInterrupt:
+        raise interrupted(name, db, postgres) from None
     except RunError as error:
         raise fail(str(error)) from None
     except (ProviderConfigError, ContextError, LlamaServerUnavailable, InvalidInput) as error:
@@ -360,4 +411,4 @@ def run(
     if as_json:
         typer.echo(result.as_json())
         return
-    stdout_console().print(f"thread [bold]{name}[/] saved in {where}; continue it with --thread {name}")
+    stdout_console().print(continue_line(name, where), highlight=False, soft_wrap=True)

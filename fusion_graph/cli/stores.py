@@ -4,12 +4,17 @@ Checkpoints (each thread's messages and ``route_log``) go to ``--db``; the
 LangGraph store (memories and the memory job log) to a second SQLite file
 beside it (``threads.sqlite`` -> ``threads.store.sqlite``), or to the same
 Postgres database with ``--postgres``.
+
+``check_target`` looks at a SQLite file with the standard library alone, so
+``run`` refuses a bad ``--db`` or an unknown ``--thread`` before it loads
+LangGraph or calls a server.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -25,6 +30,52 @@ POSTGRES_EXTRA = "pip install 'langgraph-checkpoint-postgres' 'psycopg[binary]'"
 def store_path(db: Path) -> Path:
     """The SQLite store file beside the checkpoint file ``db``."""
     return db.with_name(f"{db.stem}.store{db.suffix or '.sqlite'}")
+
+
+def no_thread(thread: str, where: str) -> RunError:
+    """The error for a ``--thread`` with no checkpoint in ``where`` (``--db PATH`` or ``--postgres``)."""
+    return RunError(f"thread {thread!r} has no checkpoint in {where}; use --new-thread to start it")
+
+
+def sqlite_has_thread(db: Path, thread: str) -> bool:
+    """Whether the SQLite checkpoint file ``db`` holds ``thread`` (read-only; no file: ``False``).
+
+    Raises:
+        sqlite3.Error: ``db`` is not a SQLite file.
+    """
+    if not db.is_file():
+        return False
+    with closing(sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True)) as connection:
+        tables = connection.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'checkpoints'"
+        )
+        if tables.fetchone() is None:
+            return False
+        found = connection.execute("SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1", (thread,))
+        return found.fetchone() is not None
+
+
+def check_target(db: Path, postgres: str | None, thread: str | None, new_thread: bool) -> None:
+    """Refuse, before anything runs, a store ``open_saver`` could not use or a ``--thread`` it lacks.
+
+    Postgres is only checked for its URL's shape here (its threads when connected).
+
+    Raises:
+        RunError: A ``--postgres`` value that is not a URL, or a ``thread`` with no checkpoint
+            while ``new_thread`` is false.
+        OSError, sqlite3.Error: ``db`` is not a file, sits under a file, or is not SQLite.
+    """
+    if postgres:
+        _check_postgres(postgres)
+        return
+    if db.exists() and not db.is_file():
+        raise IsADirectoryError(f"{db} is not a file")
+    above = next((d for d in db.parents if d.exists()), Path("."))
+    if not above.is_dir():
+        raise NotADirectoryError(f"{above} is not a directory")
+    found = sqlite_has_thread(db, thread or "")
+    if thread is not None and not new_thread and not found:
+        raise no_thread(thread, f"--db {db}")
 
 
 def _check_postgres(url: str) -> None:
@@ -83,3 +134,22 @@ async def open_store(db: Path, postgres: str | None) -> AsyncIterator[BaseStore]
 async def has_checkpoint(saver: BaseCheckpointSaver[str], thread_id: str) -> bool:
     """Whether ``thread_id`` has a checkpoint in ``saver``."""
     return await saver.aget_tuple({"configurable": {"thread_id": thread_id}}) is not None
+
+
+def thread_saved(db: Path, postgres: str | None, thread_id: str) -> bool:
+    """Whether ``thread_id`` has a checkpoint, asked anew (after Ctrl-C); ``False`` when it cannot be told."""
+    if not postgres:
+        try:
+            return sqlite_has_thread(db, thread_id)
+        except sqlite3.Error:
+            return False
+    import asyncio
+
+    async def ask() -> bool:
+        async with open_saver(db, postgres) as saver:
+            return await has_checkpoint(saver, thread_id)
+
+    try:
+        return asyncio.run(ask())
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a second Ctrl-C, or the store is gone
+        return False

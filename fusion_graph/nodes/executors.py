@@ -232,6 +232,8 @@ class InferenceNodes:
             for record in start.records:
                 update["totals"] = add_totals(update.get("totals"), totals_of(record))
         update |= {"turn": turn}
+        if state.get("latch") is not None:  # a new turn starts unlatched (trouble_signals)
+            update["latch"] = None
         update.setdefault("repair_attempts", 0)
         return update
 

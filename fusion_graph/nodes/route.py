@@ -88,6 +88,8 @@ class RouteNode:
             decision = check.guard(decision)
         handed = to_pending(step, decision, signals, sizes.estimates, sizes.as_dict())
         update: dict[str, Any] = {"route": handed}
+        if decision.latch != state.get("latch"):  # the escalation latch (trouble_signals) moved
+            update["latch"] = decision.latch
         if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
             update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))
         every = context.memory_every_k_steps

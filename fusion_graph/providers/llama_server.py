@@ -8,6 +8,7 @@ langchain-openai otherwise drops, in the answer's ``response_metadata``.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,11 +17,45 @@ import httpx
 import openai
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 
+from fusion_graph.context import DEFAULTS
 from fusion_graph.errors import LlamaServerUnavailable, LocalPoolMismatch, NotLlamaServer  # noqa: F401 - re-exported
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
+from fusion_graph.sizing.fit import MAX_BUDGET_SHARE
 
+#: The fewest tokens a start line gives each slot: the graph's first prompt (system prompt and tool
+#: definitions: about 600 tokens with the built-in ones) and its tool results, beside the default
+#: completion budget (4,096, at most half a slot: ``sizing.fit.MAX_BUDGET_SHARE``).
+MIN_SLOT_WINDOW = 8192
+
+
+def slot_window_for(max_completion_tokens: int, prompt_tokens: int = 0) -> int:
+    """Tokens one slot needs: ``prompt_tokens`` beside the completion budget, the budget at most half.
+
+    At least ``MIN_SLOT_WINDOW``, rounded up to a multiple of 1,024.
+
+    Args:
+        max_completion_tokens: The run's completion budget.
+        prompt_tokens: The graph's first prompt (system prompt, tool definitions, the task).
+    """
+    need = max(
+        MIN_SLOT_WINDOW,
+        math.ceil(max_completion_tokens / MAX_BUDGET_SHARE),
+        prompt_tokens + max_completion_tokens,
+    )
+    return -(-need // 1024) * 1024
+
+
+def start_command(
+    max_completion_tokens: int = DEFAULTS["max_completion_tokens"], *, prompt_tokens: int = 0, slots: int = 4
+) -> str:
+    """The llama-server command line fusion-graph expects: ``slots`` slots of ``slot_window_for`` tokens."""
+    window = slot_window_for(max_completion_tokens, prompt_tokens)
+    return f"llama-server -m MODEL.gguf --jinja -np {slots} -c {slots * window} --port 8080"
+
+
+#: How to start llama-server, said wherever it cannot be reached (the CLI sizes it to the run).
 START_HINT = (
-    "start one with: llama-server -m MODEL.gguf --jinja -np 4 -c 32768 --port 8080 "
+    f"start one with: {start_command()} "
     "(explicit -np keeps one KV cache per slot; context per slot is -c / -np)"
 )
 

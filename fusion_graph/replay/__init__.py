@@ -1,8 +1,14 @@
 """Routing on recorded traffic: replay a conversation, load traces, calibrate the dial, plot.
 
 - ``history``: route a recorded conversation exactly as the graph does
-- ``traces``: recorded trajectories (OpenAI chat format): load, replay, summarise
+- ``traces``: recorded trajectories (OpenAI chat format): where they are, loading, step prices;
+  ``sample_traces/``, a small synthetic set for a first run
+- ``replayed``: route recorded trajectories with the graph's routing, and price each step
+- ``resynthesis``: what ``resynthesize="local_replies"`` would add to a replay
+- ``summary``: what replays add up to (the ``replay --json`` object)
+- ``shares``: recorded scores re-routed under any dial, and the shares of steps and cost it gives
 - ``calibration``: fit the dial on recorded trajectories
+- ``evaluation``: measure a calibration on held-out trajectories (halves, rank statistics)
 - ``plot``: timelines, a summary of many trajectories, calibration curves (needs the ``plot`` extra)
 """
 

@@ -38,32 +38,21 @@ says so when a target falls in that gap.
 Everything here is a pure function over scores. Scores come from
 ``replay.route_history`` (the graph's own signals and score), and they do not
 depend on the dial, so a trajectory is replayed once and then re-routed under
-any dial by ``route_scores``, which calls ``decide_leg`` exactly as a turn does.
+any dial by ``shares.route_scores``, which calls ``decide_leg`` exactly as a turn
+does. Measuring a calibration on unseen trajectories: ``evaluation``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
-
-from langchain_core.messages import BaseMessage
 
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import CalibrationError
-from fusion_graph.replay.history import ReplayedStep, route_history
-from fusion_graph.routing import (
-    QUANTILE_TABLE_LENGTH,
-    Leg,
-    Pace,
-    RouteDecision,
-    StepScore,
-    decide_leg,
-    hysteresis_band,
-)
+from fusion_graph.replay.shares import TARGET_KINDS, Shares, TargetOf, Trace, share_of, shares_of, sweep
+from fusion_graph.routing import QUANTILE_TABLE_LENGTH, Latch, Leg, hysteresis_band, latch_rule
 
 #: Bars are searched on a grid of hundredths of a point (the precision of ``StepScore.points``).
 GRID = 100
@@ -77,212 +66,50 @@ CALIBRATED_PACE_SLACK = 0.5
 #: why (plans alone put a floor under both; see the module note on targets).
 TARGET_TOLERANCE = 0.05
 
-TargetOf = Literal["continuation", "all", "cost"]
-"""What a target is a fraction of: continuation steps on cloud, all steps on cloud, or cost."""
-TARGET_KINDS: tuple[TargetOf, ...] = ("continuation", "all", "cost")
 
-
-@dataclass(frozen=True)
-class ScoredStep:
-    """One replayed step: its index in the turn (0 is the plan) and its score.
-
-    The two costs (USD) price the step on each leg, for cost targets
-    (``traces.step_costs``); routing never reads them. ``cloud_cost`` is ``None``
-    when the cloud model's price is unknown.
-    """
-
-    step: int
-    score: StepScore
-    cloud_cost: float | None = None
-    local_cost: float = 0.0
-
-
-Trace = Sequence[ScoredStep]
-
-
-def scored_steps(
-    replayed: Iterable[ReplayedStep], costs: Sequence[tuple[float | None, float]] | None = None
-) -> list[ScoredStep]:
-    """The steps of a ``route_history`` result, reduced to what routing reads.
-
-    Args:
-        replayed: The steps of one ``route_history`` result.
-        costs: Each step's ``(cloud, local)`` cost in USD (``traces.step_costs``);
-            ``None`` leaves the steps unpriced.
-    """
-    steps = []
-    items = list(replayed)
-    if costs is not None and len(costs) != len(items):
-        raise CalibrationError(f"{len(costs)} step costs for {len(items)} steps")
-    for index, item in enumerate(items):
-        if item.decision.score is None:  # route_history scores every step; guard for the type
-            raise CalibrationError(f"step at position {item.position} has no score")
-        cloud_cost, local_cost = (None, 0.0) if costs is None else costs[index]
-        steps.append(ScoredStep(item.step, item.decision.score, cloud_cost, local_cost))
-    return steps
-
-
-def score_trajectory(messages: Sequence[BaseMessage], context: FusionContext) -> list[ScoredStep]:
-    """Replay one conversation with the graph's own routing and keep each step's score."""
-    return scored_steps(route_history(messages, context))
-
-
-# -- routing recorded scores --------------------------------------------------
-
-
-def route_scores(trace: Trace, context: FusionContext) -> list[RouteDecision]:
-    """Route a scored trajectory under ``context``'s dial, as ``route_history`` would.
-
-    Scores do not depend on the dial, so this equals re-running ``route_history``
-    with ``context`` (same ``max_steps``, budget and system prompt) at a fraction
-    of the cost: the plan gets no current leg, every other step the previous one's,
-    and the paced dial counts the continuation steps routed so far, as
-    ``turn.pace_of`` counts them in the route log.
-    """
-    decisions = []
-    leg: Leg | None = None
-    pace = None if context.pace_slack is None else Pace(context.pace_slack)
-    for item in trace:
-        decision = decide_leg(
-            mode=context.mode,
-            step=item.step,
-            current_leg=None if item.step == 0 else leg,
-            score=item.score,
-            cloud_share=context.cloud_share,
-            hysteresis=context.hysteresis,
-            score_quantiles=context.score_quantiles,
-            pace=pace,
-        )
-        leg = decision.leg
-        if pace is not None and item.step > 0:
-            pace = pace.after(leg)
-        decisions.append(decision)
-    return decisions
-
-
-@dataclass(frozen=True)
-class ShareCount:
-    """Continuation steps (after each turn's plan) and how many of them went to cloud."""
-
-    steps: int = 0
-    cloud: int = 0
-
-    @property
-    def fraction(self) -> float:
-        """The cloud fraction (0 when there are no continuation steps)."""
-        return self.cloud / self.steps if self.steps else 0.0
-
-    def __add__(self, other: ShareCount) -> ShareCount:
-        return ShareCount(self.steps + other.steps, self.cloud + other.cloud)
-
-
-def continuation_share(steps: Sequence[int], legs: Sequence[Leg]) -> ShareCount:
-    """Count the continuation steps (``step > 0``) of one trajectory and those on cloud."""
-    pairs = [(step, leg) for step, leg in zip(steps, legs, strict=True) if step > 0]
-    return ShareCount(len(pairs), sum(leg == "cloud" for _, leg in pairs))
-
-
-def share_of(traces: Iterable[Trace], context: FusionContext) -> ShareCount:
-    """Continuation steps of ``traces`` on cloud under ``context`` (via ``route_scores``)."""
-    total = ShareCount()
-    for trace in traces:
-        legs = [decision.leg for decision in route_scores(trace, context)]
-        total = total + continuation_share([item.step for item in trace], legs)
-    return total
-
-
-def _add_cost(total: float | None, value: float | None) -> float | None:
-    return None if total is None or value is None else total + value
-
-
-@dataclass(frozen=True)
-class Shares:
-    """Where one dial sends the steps of a set of trajectories: all of them, the continuations, cost.
-
-    Plans (step 0 of each turn) run on cloud whenever ``cloud_share > 0``, so the
-    share of all steps never drops below ``plans.steps / all.steps`` there;
-    ``continuation`` (the steps after each turn's plan) is what the dial's score decides.
-    """
-
-    all: ShareCount
-    continuation: ShareCount
-    cost: float | None = None
-    """USD of the routed steps (each on its leg's price); ``None`` when a cloud price is unknown."""
-    all_cloud_cost: float | None = None
-    """USD of the same steps, all on cloud."""
-
-    @property
-    def plans(self) -> ShareCount:
-        """The plans (step 0 of each turn) and how many of them went to cloud."""
-        return ShareCount(self.all.steps - self.continuation.steps, self.all.cloud - self.continuation.cloud)
-
-    @property
-    def cost_fraction(self) -> float | None:
-        """``cost`` as a fraction of ``all_cloud_cost`` (``None`` when unknown or nothing to price)."""
-        if self.cost is None or not self.all_cloud_cost:
-            return None
-        return self.cost / self.all_cloud_cost
-
-    def fraction(self, of: TargetOf) -> float | None:
-        """The share ``of`` (a target kind) measures: continuation or all steps on cloud, or cost."""
-        if of == "continuation":
-            return self.continuation.fraction
-        if of == "all":
-            return self.all.fraction
-        return self.cost_fraction
-
-
-def shares_of(traces: Iterable[Trace], context: FusionContext) -> Shares:
-    """All steps, continuation steps and cost of ``traces`` under ``context`` (via ``route_scores``).
-
-    Costs come from each step's ``cloud_cost``/``local_cost``; ``cost`` and
-    ``all_cloud_cost`` are ``None`` when any step's cloud price is unknown.
-    """
-    steps = cloud = continuation = continuation_cloud = 0
-    cost: float | None = 0.0
-    all_cloud: float | None = 0.0
-    for trace in traces:
-        for item, decision in zip(trace, route_scores(trace, context), strict=True):
-            on_cloud = decision.leg == "cloud"
-            steps += 1
-            cloud += on_cloud
-            if item.step > 0:
-                continuation += 1
-                continuation_cloud += on_cloud
-            cost = _add_cost(cost, item.cloud_cost if on_cloud else item.local_cost)
-            all_cloud = _add_cost(all_cloud, item.cloud_cost)
-    return Shares(ShareCount(steps, cloud), ShareCount(continuation, continuation_cloud), cost, all_cloud)
-
-
-def sweep(traces: Sequence[Trace], context: FusionContext) -> list[Shares]:
-    """``shares_of`` at every ``cloud_share`` from 0 to 100 (list index), the rest of ``context`` kept."""
-    return [shares_of(traces, dataclasses.replace(context, cloud_share=share)) for share in range(101)]
-
-
-# -- fitting the table --------------------------------------------------------
+Troubles = Sequence[Sequence[tuple[float, float, bool]]]
+"""Per trajectory, per step: ``(trouble points, points without them, progress event)``, for the latch."""
 
 
 def _points(traces: Iterable[Trace]) -> list[list[tuple[int, float]]]:
     return [[(item.step, item.score.points) for item in trace] for trace in traces]
 
 
-def fraction_at(traces: Sequence[Sequence[tuple[int, float]]], base: float, hysteresis: int) -> float:
+def _troubles(traces: Iterable[Trace]) -> list[list[tuple[float, float, bool]]]:
+    return [[(s.score.trouble, s.score.base_points, s.progress) for s in trace] for trace in traces]
+
+
+def fraction_at(
+    traces: Sequence[Sequence[tuple[int, float]]],
+    base: float,
+    hysteresis: int,
+    *,
+    troubles: Troubles | None = None,
+) -> float:
     """Continuation cloud fraction with base threshold ``base`` (points) and the graph's band.
 
     The same rule as ``decide_leg`` with a calibrated table for ``0 < share < 100``
     (the plan on cloud; escalate at, or stay on cloud down to, ``hysteresis_band``'s bars),
     on ``(step, points)`` pairs; ``tests/unit/replay/test_calibration.py`` checks they agree.
+    With ``troubles`` (``trouble_signals``: each step's trouble points, points without them and
+    progress event) the escalation latch applies as well (``routing.latch_rule``).
     """
     escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
     steps = cloud = 0
-    for trace in traces:
+    for index, trace in enumerate(traces):
         leg: Leg | None = None
-        for step, points in trace:
+        latch: int | None = None
+        for position, (step, points) in enumerate(trace):
             if step == 0:
-                leg = "cloud"
+                leg, latch = "cloud", None
                 continue
-            bar = stay_down_to if leg == "cloud" else escalate_at
+            escalating = leg != "cloud"
+            bar = escalate_at if escalating else stay_down_to
             leg = "cloud" if points >= bar else "local"
+            if troubles is not None:
+                trouble, without, progress = troubles[index][position]
+                for_trouble = escalating and leg == "cloud" and trouble > 0 and without < bar
+                leg, latch = latch_rule(leg, Latch(latch, progress), step=step, for_trouble=for_trouble)
             steps += 1
             cloud += leg == "cloud"
     return cloud / steps if steps else 0.0
@@ -303,19 +130,30 @@ def _fit(fraction: Callable[[int], float], target: float, high: int) -> int:
     return top if abs(fraction(top) - target) <= abs(fraction(low) - target) else low
 
 
-def fit_threshold(traces: Iterable[Trace], target: float, hysteresis: int) -> float:
-    """The base threshold (points, 2 decimals) whose share of continuation steps is closest to ``target``."""
+def fit_threshold(traces: Sequence[Trace], target: float, hysteresis: int, *, latch: bool = False) -> float:
+    """The base threshold (points, 2 decimals) whose share of continuation steps is closest to ``target``.
+
+    ``latch``: route with the escalation latch (``trouble_signals``), as ``fraction_at`` does.
+    """
     pairs = _points(traces)
-    return _fit(lambda c: fraction_at(pairs, c / GRID, hysteresis), target, GRID_MAX) / GRID
+    troubles = _troubles(traces) if latch else None
+    return (
+        _fit(lambda c: fraction_at(pairs, c / GRID, hysteresis, troubles=troubles), target, GRID_MAX) / GRID
+    )
 
 
-def fit_quantiles(traces: Iterable[Trace], hysteresis: int) -> tuple[float, ...]:
+def fit_quantiles(traces: Sequence[Trace], hysteresis: int, *, latch: bool = False) -> tuple[float, ...]:
     """A calibrated ``score_quantiles`` table: entry ``100 - s`` gives share ``s`` percent.
 
-    Each entry for ``s`` in 1..99 is fitted with ``hysteresis`` in place; the
-    table is then made non-decreasing (a higher share never gets a higher bar).
-    Entries 0 and 100 (shares 100 and 0, fixed rules that never read the
-    table) repeat their neighbours. A pace plays no part (see the module note).
+    Each entry for ``s`` in 1..99 is fitted with ``hysteresis`` in place, and with
+    ``latch`` the escalation latch (``trouble_signals``) too; the table is then
+    made non-decreasing (a higher share never gets a higher bar). Entries 0 and
+    100 (shares 100 and 0, fixed rules that never read the table) repeat their
+    neighbours. A pace plays no part (see the module note).
+
+    The latch can make the share rise a little with the bar (a higher bar can
+    make a step's trouble the reason it escalated, and latch what follows); the
+    search takes the share as falling, and the table ends non-decreasing all the same.
 
     Raises:
         CalibrationError: The traces have no continuation step.
@@ -323,11 +161,12 @@ def fit_quantiles(traces: Iterable[Trace], hysteresis: int) -> tuple[float, ...]
     pairs = _points(traces)
     if not any(step > 0 for trace in pairs for step, _ in trace):
         raise CalibrationError("no continuation steps (steps after a turn's plan) to calibrate on")
+    troubles = _troubles(traces) if latch else None
     cache: dict[int, float] = {}
 
     def fraction(c: int) -> float:
         if c not in cache:
-            cache[c] = fraction_at(pairs, c / GRID, hysteresis)
+            cache[c] = fraction_at(pairs, c / GRID, hysteresis, troubles=troubles)
         return cache[c]
 
     bars: dict[int, float] = {}
@@ -427,7 +266,7 @@ def calibrate_many(
     """
     for target in targets:
         check_target(target, of)
-    table = fit_quantiles(traces, context.hysteresis)
+    table = fit_quantiles(traces, context.hysteresis, latch=context.trouble_signals)
     fitted = dataclasses.replace(context, mode="fusion", score_quantiles=table)
     found: list[Calibration] = []
     if of == "continuation":
@@ -490,46 +329,3 @@ def best_plain_share(traces: Sequence[Trace], target: float, context: FusionCont
         key=lambda s: abs(share_of(traces, dataclasses.replace(plain, cloud_share=s)).fraction - target),
     )
     return best
-
-
-# -- evaluation helpers -----------------------------------------------------------
-
-
-def split_halves(count: int, seed: int) -> tuple[list[int], list[int]]:
-    """Shuffle ``0..count-1`` with ``seed`` and cut it into two halves (the first may be smaller)."""
-    order = list(range(count))
-    random.Random(seed).shuffle(order)
-    middle = count // 2
-    return sorted(order[:middle]), sorted(order[middle:])
-
-
-def rank_auc(positives: Sequence[float], negatives: Sequence[float]) -> float:
-    """Probability that a random positive outranks a random negative (ties count half).
-
-    The Mann-Whitney U statistic over ``len(positives) × len(negatives)``; 0.5 is no separation.
-
-    Raises:
-        ValueError: Either group is empty.
-    """
-    if not positives or not negatives:
-        raise ValueError("rank_auc needs at least one value in each group")
-    wins = 0.0
-    for p in positives:
-        for n in negatives:
-            wins += 1.0 if p > n else 0.5 if p == n else 0.0
-    return wins / (len(positives) * len(negatives))
-
-
-def permutation_p(
-    positives: Sequence[float], negatives: Sequence[float], *, rounds: int = 2000, seed: int = 0
-) -> float:
-    """Two-sided permutation p-value of ``|rank_auc - 0.5|`` (labels shuffled ``rounds`` times)."""
-    observed = abs(rank_auc(positives, negatives) - 0.5)
-    pooled = list(positives) + list(negatives)
-    rng = random.Random(seed)
-    hits = 0
-    for _ in range(rounds):
-        rng.shuffle(pooled)
-        shuffled = abs(rank_auc(pooled[: len(positives)], pooled[len(positives) :]) - 0.5)
-        hits += shuffled >= observed - 1e-12
-    return (hits + 1) / (rounds + 1)

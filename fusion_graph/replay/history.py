@@ -73,6 +73,9 @@ def route_history(
     ``max_steps`` are still routed (turn depth clipped to 1), where the graph
     would have ended the turn. The route log the graph would hold (a record per
     step, no provider) is rebuilt as it goes, so the paced dial counts the same steps.
+    With ``trouble_signals`` the escalation latch is carried from step to step as
+    the ``route`` node keeps it in ``State.latch`` (each decision's ``latch``,
+    reset at each plan), so latched steps replay as the graph routed them.
 
     ``cloud_cost(prompt_tokens, completion_tokens)`` prices a step on cloud; with
     it, the context's cloud budgets (``turn_cloud_budget_usd``,
@@ -88,6 +91,7 @@ def route_history(
     budget = conversation_budget(context.conversation_max_tokens, local_window, context.max_completion_tokens)
     routed: list[ReplayedStep] = []
     leg: Leg | None = None
+    latch: int | None = None  # the escalation latch (trouble_signals), kept as the route node keeps it
     notice = False
     route_log: list[RouteRecord] = []
     tally: StepTally | None = None  # the paced dial's running count, kept as the route node keeps it
@@ -116,6 +120,8 @@ def route_history(
             turn += 1
         elif leg is not None:
             state["leg"] = leg
+        if step > 0 and latch is not None:  # the plan starts its turn unlatched
+            state["latch"] = latch
         decision, signals = next_route(
             state, context, count_tokens, plan=step == 0, budget=budget, tools=tools
         )
@@ -125,7 +131,7 @@ def route_history(
             decision = check_budget(limit, route_log, turn, estimate).guard(decision)
         if cloud_cost is not None and decision.leg == "cloud":
             cost = cloud_cost(signals.prompt_tokens, count_tokens([message]))
-        leg = decision.leg
+        leg, latch = decision.leg, decision.latch
         kind: StepKind = "plan" if step == 0 else "step"
         record = make_record(
             turn=turn,

@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import PlotUnavailable
-from fusion_graph.replay.calibration import Calibration, Shares, TargetOf, scored_steps, sweep
-from fusion_graph.replay.traces import ReplayedTrajectory, is_paced
-from fusion_graph.routing import cloud_threshold, hysteresis_band
+from fusion_graph.replay.calibration import Calibration
+from fusion_graph.replay.replayed import ReplayedTrajectory
+from fusion_graph.replay.shares import Shares, TargetOf, scored_steps, sweep
+from fusion_graph.replay.summary import is_latched, is_paced
+from fusion_graph.routing import StepScore, TroubleSignals, cloud_threshold, hysteresis_band
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -71,7 +73,10 @@ def dial_label(context: FusionContext) -> str:
     rule = "calibrated table" if context.score_quantiles is not None else "design rule"
     pace = "no pace" if context.pace_slack is None else f"pace_slack={context.pace_slack:g}"
     mode = "" if context.mode == "fusion" else f"mode={context.mode}, "
-    return f"{mode}cloud_share={context.cloud_share}, hysteresis={context.hysteresis}, {pace} ({rule})"
+    trouble = ", trouble signals" if context.trouble_signals else ""
+    return (
+        f"{mode}cloud_share={context.cloud_share}, hysteresis={context.hysteresis}, {pace}{trouble} ({rule})"
+    )
 
 
 # -- marks --------------------------------------------------------------------------
@@ -95,13 +100,32 @@ MARKS: dict[str, Mark] = {
     "paced cloud": Mark("paced to cloud (pace overruled the band)", LEG_COLOURS["cloud"], "D", "black"),
     "paced local": Mark("paced to local (pace overruled the band)", LEG_COLOURS["local"], "D", "black"),
 }
+#: The marks of steps the escalation latch held (``trouble_signals`` only): a budget may still move one local.
+LATCH_MARKS: dict[str, Mark] = {
+    "latched cloud": Mark("held on cloud by the trouble latch", LEG_COLOURS["cloud"], "s", "tab:red"),
+    "latched local": Mark("latched, moved local by a cloud budget", LEG_COLOURS["local"], "s", "tab:red"),
+}
+#: Every mark a figure may draw, by ``mark_of`` key.
+ALL_MARKS: dict[str, Mark] = MARKS | LATCH_MARKS
+#: Colour of the trouble terms' segment (from the score without them up to the score) and of progress events.
+TROUBLE_COLOUR = "tab:red"
+PROGRESS_COLOUR = "tab:green"
 
 
-def mark_of(step: int, leg: str, paced: bool) -> str:
-    """The ``MARKS`` key of a step: plans, paced steps and the rest, by leg."""
+def mark_of(step: int, leg: str, paced: bool, latched: bool = False) -> str:
+    """The ``ALL_MARKS`` key of a step: plans, paced steps, steps the trouble latch held, the rest, by leg."""
     if step == 0:
         return f"plan {leg}"
-    return f"paced {leg}" if paced else leg
+    if paced:
+        return f"paced {leg}"
+    return f"latched {leg}" if latched else leg
+
+
+def _drawn(score: StepScore, calibrated: bool) -> tuple[float, float]:
+    """What a timeline draws of a score, as the dial reads it: ``(value, value without trouble)``."""
+    if calibrated:
+        return score.points, score.base_points
+    return score.score, int(score.base_points + 0.5)
 
 
 def _legend(
@@ -112,9 +136,9 @@ def _legend(
     from matplotlib.patches import Patch
 
     handles: list[Any] = []
-    for key in MARKS:
+    for key in ALL_MARKS:
         if key in used:
-            mark = MARKS[key]
+            mark = ALL_MARKS[key]
             handles.append(
                 Line2D(
                     [],
@@ -134,6 +158,12 @@ def _legend(
             handles.append(Line2D([], [], color="0.5", linestyle="--", linewidth=0.8, label=label))
         elif kind == "turn":
             handles.append(Line2D([], [], color="0.7", linestyle=":", linewidth=0.8, label=label))
+        elif kind == "trouble":
+            handles.append(Line2D([], [], color=TROUBLE_COLOUR, linewidth=2, alpha=0.6, label=label))
+        elif kind == "progress":
+            handles.append(
+                Line2D([], [], linestyle="none", marker="|", color=PROGRESS_COLOUR, markersize=8, label=label)
+            )
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), columns), fontsize=7)
 
 
@@ -183,9 +213,12 @@ def timelines(
     the integer score otherwise. Circles are steps the band decided, diamonds with
     a black edge steps the paced dial forced onto the other leg (a cloud one may
     sit below the band, a local one above it), triangles plans; dotted lines
-    start turns. The legend names every mark drawn; the title gives the dial (pace
-    included) and both shares. For more than ``MAX_TIMELINES`` trajectories see
-    ``replay_figure``.
+    start turns. With ``trouble_signals``, a red segment rises from a step's score
+    without the trouble terms to its score, squares with a red edge are steps the
+    escalation latch held on cloud, and green ticks on the axis mark progress
+    events (which release it). The legend names every mark drawn; the title gives
+    the dial (pace included) and both shares. For more than ``MAX_TIMELINES``
+    trajectories see ``replay_figure``.
     """
     shown = list(replays)[:limit]
     if not shown:
@@ -197,7 +230,7 @@ def timelines(
     base = base_threshold(context)
     calibrated = context.score_quantiles is not None
     used: set[str] = set()
-    turns = False
+    turns = trouble = progress = False
     for axes, replay in zip(figure.axes, shown, strict=False):
         if base is not None:
             escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
@@ -210,12 +243,19 @@ def timelines(
             if item.step == 0 and index:
                 axes.axvline(index - 0.5, color="0.7", linestyle=":", linewidth=0.8)
                 turns = True
-            key = mark_of(item.step, item.leg, is_paced(item.decision))
+            key = mark_of(item.step, item.leg, is_paced(item.decision), is_latched(item.signals))
             used.add(key)
-            mark = MARKS[key]
+            mark = ALL_MARKS[key]
+            value, without = _drawn(score, calibrated)
+            if score.trouble > 0:
+                axes.vlines(index, without, value, color=TROUBLE_COLOUR, linewidth=2, alpha=0.6, zorder=2)
+                trouble = True
+            if isinstance(item.signals, TroubleSignals) and item.signals.progress:
+                axes.scatter([index], [0], marker="|", color=PROGRESS_COLOUR, s=60, zorder=3)
+                progress = True
             axes.scatter(
                 [index],
-                [score.points if calibrated else score.score],
+                [value],
                 color=mark.colour,
                 marker=mark.marker,
                 edgecolors=mark.edge,
@@ -245,6 +285,10 @@ def timelines(
         extras.append(("threshold", f"T = {base:g}"))
     if turns:
         extras.append(("turn", "a new turn starts"))
+    if trouble:
+        extras.append(("trouble", "trouble terms (error severity + no progress)"))
+    if progress:
+        extras.append(("progress", "progress event (releases the latch)"))
     _legend(figure, sorted(used), extras, columns=min(4, 2 * columns))
     figure.suptitle(
         f"{dial_label(context)}\n" + "\n".join(textwrap.wrap(share_line(shown), 60 * columns)), fontsize=9
@@ -262,7 +306,7 @@ def summary(
 
     Left: the share of all steps and of continuation steps on cloud at every
     ``cloud_share`` (the rest of ``context`` kept: table, pace, hysteresis),
-    routed as the graph routes (``calibration.route_scores``), with the plans'
+    routed as the graph routes (``shares.route_scores``), with the plans'
     floor and this run's ``cloud_share`` marked. Right: a histogram of the
     continuation steps' scores (points under a calibrated table) stacked by mark
     (paced steps hatched), against the ``T ± h`` band.
@@ -281,9 +325,9 @@ def summary(
             score = item.decision.score
             if item.step == 0 or score is None:
                 continue
-            key = mark_of(item.step, item.leg, is_paced(item.decision))
+            key = mark_of(item.step, item.leg, is_paced(item.decision), is_latched(item.signals))
             groups.setdefault(key, []).append(score.points if calibrated else score.score)
-    keys = [key for key in MARKS if key in groups]
+    keys = [key for key in ALL_MARKS if key in groups]
     values = [v for key in keys for v in groups[key]]
     base = base_threshold(context)
     if base is not None:
@@ -298,13 +342,13 @@ def summary(
             [groups[key] for key in keys],
             bins=[top * k / 40 for k in range(41)],
             stacked=True,
-            color=[MARKS[key].colour for key in keys],
-            label=[MARKS[key].label for key in keys],
+            color=[ALL_MARKS[key].colour for key in keys],
+            label=[ALL_MARKS[key].label for key in keys],
         )
         containers: list[Any] = list(bars) if isinstance(bars, list) else [bars]
         for key, container in zip(keys, containers, strict=True):
             for bar in container:
-                bar.set_edgecolor("white" if MARKS[key].edge == "none" else MARKS[key].edge)
+                bar.set_edgecolor("white" if ALL_MARKS[key].edge == "none" else ALL_MARKS[key].edge)
                 bar.set_linewidth(0.4)
                 if key.startswith("paced"):
                     bar.set_hatch("////")

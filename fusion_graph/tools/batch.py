@@ -23,6 +23,17 @@ from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
 from fusion_graph.sizing.history_memo import HistoryMemo
+from fusion_graph.trouble import call_key
+
+__all__ = [
+    "BatchPlan",
+    "Rejected",
+    "batch_notice",
+    "call_key",
+    "plan_batch",
+    "prior_call_counts",
+    "schema_error",
+]
 
 
 @dataclass(frozen=True)
@@ -54,11 +65,6 @@ class BatchPlan:
     def notice(self) -> bool:
         """Whether this batch raises the transient-notice term."""
         return self.trimmed or self.loop_fired
-
-
-def call_key(name: str, args: Mapping[str, Any]) -> str:
-    """Identity of a call for the loop detector: name plus canonical JSON arguments."""
-    return f"{name}:{json.dumps(args, sort_keys=True, default=str)}"
 
 
 def _count_calls(counts: Counter[str], messages: Sequence[BaseMessage]) -> Counter[str]:

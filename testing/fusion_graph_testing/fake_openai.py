@@ -39,6 +39,8 @@ class Reply:
         hold: Answer only once this event is set (at most ``HOLD_LIMIT_S``): a response held
             open for as long as the test needs, unlike a fixed ``delay``. The request is
             recorded in ``requests`` before the hold, so a test can wait for it to arrive.
+        pieces: Streamed, the content goes out in these pieces, one chunk each (they should join
+            to ``content``); empty: in one chunk.
     """
 
     content: str = "ok"
@@ -50,6 +52,7 @@ class Reply:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     hold: threading.Event | None = None
+    pieces: Sequence[str] = ()
 
 
 def _count_words(body: dict[str, Any]) -> int:
@@ -143,8 +146,21 @@ class FakeOpenAI:
                 if message.get("tool_calls"):
                     delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(message["tool_calls"])]
                 base = {"id": full["id"], "object": "chat.completion.chunk", "model": full["model"]}
+                pieces = list(reply.pieces) or [delta["content"]]
                 chunks = [
-                    {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                    {
+                        **base,
+                        "choices": [
+                            {"index": 0, "delta": {**delta, "content": pieces[0]}, "finish_reason": None}
+                        ],
+                    },
+                    *(
+                        {
+                            **base,
+                            "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}],
+                        }
+                        for piece in pieces[1:]
+                    ),
                     {
                         **base,
                         "choices": [

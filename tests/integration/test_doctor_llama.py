@@ -98,6 +98,8 @@ def test_server_with_jinja_and_a_tools_template_passes(
     assert checks["llama-server"]["status"] == "ok"
     assert checks["slots"]["status"] == "ok" and "4 slots" in checks["slots"]["detail"]
     assert checks["slot window"]["status"] == "ok" and "4096" in checks["slot window"]["detail"]
+    assert "2048 left for prompts" in checks["slot window"]["detail"]  # beside the 2048-token budget
+    assert "renders tools" in checks["chat template"]["detail"]  # and the probe tool reached the prompt
     assert checks["not in /props"]["status"] == "info"
     assert "doctor-test-key" not in plain.stdout
 

@@ -358,3 +358,62 @@ async def test_a_dropped_memory_job_says_why_without_the_key(caplog: pytest.LogC
     assert "binding bug near" in caplog.text and key not in caplog.text
     record = dropped_record(job, "local", 0, 0, f"store write failed: {key}")
     assert record["extra"]["dropped"] == f"store write failed: {REDACTED}"
+
+
+# --------------------------------------------------------------------------- streams, other libraries' logs
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["ainvoke", "messages"])
+async def test_a_key_the_model_streams_back_in_pieces_reaches_no_event(
+    key: str, run: Run, cloud: FakeOpenAI, tmp_path: Path, streamed: bool
+) -> None:
+    text = f"Your key is {key}, keep it safe."
+    cut = text.index(key) + len(key) // 2  # the key is split between two chunks
+    cloud.script([Reply(content=text, pieces=[text[:cut], text[cut:]])])
+    events: list[Any] = []
+    context = {**run.context, "sub_runners": "off"}
+    if streamed:
+        async for event in run.graph.astream(
+            {"messages": [("user", "what is my key?")]}, run.config, context=context, stream_mode="messages"
+        ):
+            events.append(event)
+    else:
+        await run.graph.ainvoke({"messages": [("user", "what is my key?")]}, run.config, context=context)
+    state = await run.graph.aget_state(run.config)
+    answer = state.values["messages"][-1].content
+    assert answer == f"Your key is {REDACTED}, keep it safe."
+    if streamed:
+        pieces = [message.content for message, _ in events if message.type in ("AIMessageChunk", "ai")]
+        assert len(pieces) >= 2 and "".join(pieces) == answer  # everything came out, scrubbed
+        assert not any(key[: len(key) // 2] in piece for piece in pieces), "half the key left in a chunk"
+    assert_nowhere(
+        key, {"events": json.dumps(events, default=repr), "state": repr(state)}, database_bytes(tmp_path)
+    )
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["ainvoke", "messages"])
+async def test_a_401_echoing_the_key_only_in_its_headers_leaves_it_in_no_log_line(
+    key: str, run: Run, cloud: FakeOpenAI, caplog: pytest.LogCaptureFixture, streamed: bool
+) -> None:
+    body = json.dumps({"error": {"message": "unauthorized", "type": "invalid_request_error"}}).encode()
+    cloud.script(
+        [Reply(status=401, raw=body, headers={"x-echoed-authorization": f"Bearer {key}", "x-key": key})]
+    )
+    caplog.set_level(logging.DEBUG)
+    for name in ("httpx", "httpcore", "openai"):
+        logging.getLogger(name).setLevel(logging.DEBUG)
+    context = {**run.context, "sub_runners": "off"}
+    try:
+        if streamed:
+            async for _ in run.graph.astream(
+                {"messages": [("user", "hi")]}, run.config, context=context, stream_mode="messages"
+            ):
+                pass
+        else:
+            await run.graph.ainvoke({"messages": [("user", "hi")]}, run.config, context=context)
+    finally:
+        for name in ("httpx", "httpcore", "openai"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+    assert any(r.name.startswith(("httpcore", "openai", "httpx")) for r in caplog.records), "they logged"
+    assert len(cloud.requests) == 1
+    assert key not in caplog.text

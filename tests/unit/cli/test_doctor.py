@@ -19,18 +19,15 @@ import pytest
 import typer
 from typer.testing import Result
 
-import fusion_graph.cli.doctor as module
-from fusion_graph.cli.doctor import (
-    Check,
-    FoundKey,
+import fusion_graph.cli.doctor.llama as module
+from fusion_graph.cli.doctor import Check, doctor
+from fusion_graph.cli.doctor.checkpoints import DEFAULT_DB as DOCTOR_DB
+from fusion_graph.cli.doctor.checkpoints import postgres_check, redact_url, sqlite_check
+from fusion_graph.cli.doctor.cloud import FoundKey, cloud_models_check
+from fusion_graph.cli.doctor.props import (
     cache_checks,
-    cloud_models_check,
-    doctor,
     jinja_check,
-    postgres_check,
     props_checks,
-    redact_url,
-    sqlite_check,
     template_check,
     window_check,
 )
@@ -344,7 +341,7 @@ def test_postgres(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_default_db_is_the_run_commands() -> None:
     from fusion_graph.cli.run import DEFAULT_DB
 
-    assert module.DEFAULT_DB == DEFAULT_DB
+    assert DOCTOR_DB == DEFAULT_DB
 
 
 def test_redact_url() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,47 @@ def test_a_provider_echoing_the_key_never_reaches_stderr(
     assert "ProviderRequestError" in result.stderr or "refused the request" in result.stderr
     assert "[REDACTED]" in result.stderr
     assert key.encode() not in (tmp_path / "t.sqlite").read_bytes()
+
+
+HEAVY = {"langgraph", "langchain_core", "langchain_openai", "openai", "httpx"}
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["report", "--db", "{tmp}/none.sqlite"], "no checkpoint database at"),
+        (["run", "task", "--workspace", "{tmp}", "--postgres", "not-a-url"], "is not a postgresql://"),
+        (
+            ["run", "task", "--workspace", "{tmp}", "--db", "{tmp}/empty.sqlite", "--thread", "nope"],
+            "no checkpoint",
+        ),
+        (["run", "task", "--workspace", "{tmp}", "--db", "{tmp}"], "cannot be used"),
+        (["run", "task", "--workspace", "{tmp}", "--db", "{tmp}/junk.sqlite"], "cannot be used"),
+    ],
+)
+def test_bad_input_is_refused_before_langgraph_or_a_client_loads(
+    tmp_path: Path, command: list[str], says: str
+) -> None:
+    """Cheap checks first: a wrong path, URL or thread costs no import of the graph runtime or SDKs."""
+    sqlite3.connect(tmp_path / "empty.sqlite").close()
+    (tmp_path / "junk.sqlite").write_bytes(b"not a database" * 100)
+    env = {key: value for key, value in os.environ.items() if key != "OPENAI_API_KEY"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "fusion_graph",
+            *(a.format(tmp=tmp_path) for a in command),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "COLUMNS": "200", "FUSION_LOCAL_BASE_URL": "http://127.0.0.1:9/v1"},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert says in one_line_error("\n".join(errors))
+    loaded = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines() if "|" in line}
+    assert not loaded & HEAVY, loaded & HEAVY

@@ -1,15 +1,26 @@
-"""The live view of ``fusion-graph run`` at 80 columns, pinned by a snapshot of a recorded event stream."""
+"""The live view of ``fusion-graph run`` at 80 columns, pinned by a snapshot of a recorded event stream;
+its rows and the per-provider counts after the turn agree."""
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+from langchain_core.language_models import BaseChatModel
 from rich.console import Console
 
+from fusion_graph.cli import run as cli_run
+from fusion_graph.cli.app import app
 from fusion_graph.cli.live import ANSWER_EVENT, ROUTE_EVENT, TOKENS_EVENT, StepTable, attempt_label
+from fusion_graph.context import FusionContext
+from fusion_graph.settings import FusionSettings
+from tests.plugins.fakes import scripted
+from tests.unit.cli.test_traces import runner
 
 SNAPSHOT = Path(__file__).resolve().parent / "snapshots" / "live_table_80.txt"
 REGENERATE = "UPDATE_SNAPSHOTS=1 .venv/bin/pytest -q tests/unit/cli/test_live.py"
@@ -246,3 +257,32 @@ def test_attempt_labels() -> None:
     assert attempt_label({"kind": "timeout", "message": "no answer"}) == "timeout"
     assert attempt_label({"kind": "weird"}) == "weird"
     assert attempt_label({}) == "failed"
+
+
+def test_a_second_turn_labels_folded_memory_rows_and_counts_the_rows_it_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Turn 0's memory job needs a repair (two local inferences); it is folded into turn 1.
+    good = json.dumps({"items": [{"kind": "fact", "text": "The list is in notes.txt."}]})
+    pairs = [
+        (scripted("cloudfake", ["Noted."]), scripted("localfake", ["not json", good])),
+        (scripted("cloudfake", ["It is in notes.txt."]), scripted("localfake", [good])),
+    ]
+
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        return pairs.pop(0)
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+    common = ["--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite"), "--thread", "t1"]
+    assert runner.invoke(app, ["run", "My list is in notes.txt", *common, "--new-thread"]).exit_code == 0
+    second = runner.invoke(app, ["run", "Where is it?", *common], env={"COLUMNS": "80"})
+    assert second.exit_code == 0, second.output
+    text = second.stdout
+    rows = re.findall(r"^ *(\d+(?:\.\d+)?) +(plan|step|repair|memory|synthesis) ", text, re.MULTILINE)
+    assert rows == [("0.0", "memory"), ("0.0", "memory"), ("0", "plan")]  # one row per inference
+    words = " ".join(text.split())
+    assert "0.0 memory: of turn 0, finished after it; folded into this turn" in words
+    assert "3 inferences, one per row above (2 memory, 1 plan)" in words  # the counts below agree
+    assert re.search(r"^local:localfake +2 ", text, re.MULTILINE)
+    assert re.search(r"^answered by local +2 ", text, re.MULTILINE)
+    assert re.search(r"^total +3 ", text, re.MULTILINE)

@@ -1,21 +1,28 @@
-"""``fusion-graph run`` keeps memories: a SQLite store beside the checkpoints, jobs awaited before exit."""
+"""``fusion-graph run`` keeps memories: a SQLite store beside the checkpoints, jobs awaited before exit
+(at most as long as the answer took; what is left runs at the next turn), and Ctrl-C says how to go on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import BaseMessage
+from langchain_core.outputs import ChatResult
 from langgraph.store.sqlite import SqliteStore
 
+from fusion_graph.cli import memory_wait
 from fusion_graph.cli import run as cli_run
 from fusion_graph.cli.app import app
 from fusion_graph.cli.stores import store_path
 from fusion_graph.context import FusionContext
 from fusion_graph.memory import namespace
 from fusion_graph.settings import FusionSettings
-from tests.plugins.fakes import ScriptedModel, scripted
+from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted
 from tests.unit.cli.test_traces import runner
 
 FACT = "The user keeps the shopping list in notes.txt."
@@ -72,3 +79,111 @@ def test_memory_off_writes_no_store_items(tmp_path: Path, monkeypatch: pytest.Mo
     assert local.prompts == []
     with SqliteStore.from_conn_string(str(store_path(db))) as store:
         assert store.search((), limit=10) == []
+
+
+# --------------------------------------------------------------------------- the wait, and Ctrl-C
+
+
+class Hanging(ScriptedModel):
+    """A local model whose answer never comes (a memory job that outlives any wait)."""
+
+    async def _agenerate(self, messages: list[BaseMessage], *args: Any, **kwargs: Any) -> ChatResult:
+        self.prompts.append(list(messages))
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+
+class Interrupting(ScriptedModel):
+    """A model that is interrupted (Ctrl-C) while it answers."""
+
+    async def _agenerate(self, messages: list[BaseMessage], *args: Any, **kwargs: Any) -> ChatResult:
+        raise KeyboardInterrupt
+
+
+def use_models(monkeypatch: pytest.MonkeyPatch, *pairs: tuple[BaseChatModel, BaseChatModel]) -> None:
+    queue = list(pairs)
+
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        return queue.pop(0)
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+
+
+def test_the_memory_wait_ends_with_the_answers_time_and_the_next_turn_runs_what_was_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hanging = Hanging(messages=iter([]), model_name="localfake")
+    second_local = scripted("localfake", [GOOD, GOOD])  # the job left pending, then this turn's own
+    use_models(
+        monkeypatch,
+        (scripted("cloudfake", ["Noted."]), hanging),
+        (scripted("cloudfake", ["Yes."]), second_local),
+        (scripted("cloudfake", ["In notes.txt."]), scripted("localfake", [GOOD])),
+    )
+    common = ["--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite"), "--thread", "t1"]
+    monkeypatch.setattr(memory_wait, "MIN_MEMORY_WAIT_S", 0.0)  # wait just as long as the answer took
+    first = runner.invoke(app, ["run", "My list is in notes.txt", *common, "--new-thread"])
+    assert first.exit_code == 0, first.output
+    said = " ".join(first.stderr.split())
+    assert "memory jobs still running after" in said and memory_wait.LEFT_PENDING in said
+    assert "continue it with --thread t1" in first.stdout
+
+    monkeypatch.setattr(memory_wait, "MIN_MEMORY_WAIT_S", 2.0)
+    second = runner.invoke(app, ["run", "Is it?", *common, "--json"])
+    assert second.exit_code == 0, second.output
+    assert json.loads(second.stdout)["memory_pending"] is False
+    assert len(second_local.prompts) == 2  # the pending job ran again at this turn, beside its own
+
+    third = json.loads(runner.invoke(app, ["run", "Where?", *common, "--json"]).stdout)
+    memory = [(r["turn"], r["extra"]["outcome"]) for r in third["route_log"] if r["kind"] == "memory"]
+    assert sorted(memory) == [(0, "stored"), (1, "stored")]
+
+
+def test_ctrl_c_while_memory_jobs_run_still_says_how_to_continue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def interrupted_wait(limit: float) -> bool:
+        raise KeyboardInterrupt  # Ctrl-C while "waiting for memory jobs"
+
+    use_models(monkeypatch, (scripted("cloudfake", ["Noted."]), scripted("localfake", [GOOD])))
+    monkeypatch.setattr(cli_run, "wait_for_memory_jobs", interrupted_wait)
+    args = [
+        "run",
+        "My list is in notes.txt",
+        "--workspace",
+        str(tmp_path),
+        "--db",
+        str(tmp_path / "t.sqlite"),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 130
+    assert "Noted." in result.stdout  # the answer came first
+    found = re.search(
+        r"interrupted: thread (\w+) saved in \S+; continue it with --thread (\w+)", result.stderr
+    )
+    assert found is not None and found[1] == found[2], result.stderr
+
+
+def test_ctrl_c_during_a_step_still_says_how_to_continue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "notes.txt").write_text("milk\n")
+    plan = ai_calls(call("read_file", {"path": "notes.txt"}, "r1"))
+    use_models(monkeypatch, (scripted("cloudfake", [plan]), Interrupting(messages=iter([]))))
+    off = '{"sub_runners": "off"}'
+    args = ["run", "read", "--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite"), "--context", off]
+    result = runner.invoke(app, [*args, "--thread", "t2", "--new-thread", "--json"])
+    assert result.exit_code == 130
+    assert "continue it with --thread t2" in result.stderr and result.stdout == ""
+
+
+def test_ctrl_c_before_the_thread_exists_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:
+        raise KeyboardInterrupt  # while the servers are checked
+
+    monkeypatch.setattr(cli_run, "MODELS", models)
+    result = runner.invoke(
+        app, ["run", "hi", "--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite")]
+    )
+    assert result.exit_code == 130
+    assert "interrupted before thread" in result.stderr and "--thread" not in result.stderr

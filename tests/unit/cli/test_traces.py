@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from fusion_graph.cli.app import app
 from fusion_graph.context import FusionContext
+from fusion_graph.replay.traces import SAMPLE_NAME, SAMPLE_TRACES, TRACES_ENV
 
 runner = CliRunner()
 
@@ -360,3 +362,126 @@ def test_calibrate_plot_draws_target_against_both_shares(tmp_path: Path) -> None
     assert f"calibration curve written to {target}" in result.stdout
     width, height = png_size(target)
     assert 800 < width < 2000 and height < 800
+
+
+# --------------------------------------------------------------------------- 80 columns
+
+
+def at_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Render as an 80-column terminal does: rich reads the width from COLUMNS, prints no colour codes."""
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setenv("TERM", "dumb")
+
+
+def tables_of(out: str, first_sentence: str) -> str:
+    """The tables a command printed: what comes before its first sentence (sentences soft-wrap)."""
+    assert f"\n{first_sentence}" in out, out
+    return out.split(f"\n{first_sentence}")[0]
+
+
+def assert_fits_with_whole_numbers(out: str, numbers: list[str]) -> None:
+    """Every line fits 80 columns, and each number stands whole (not cut to ``8…``, not split)."""
+    from rich.cells import cell_len
+
+    assert all(cell_len(line) <= 80 for line in out.splitlines()), out
+    assert "…" not in out, out
+    for number in numbers:
+        assert re.search(rf"(?<![\w.$]){re.escape(number)}(?![\w.])", out), f"{number} not whole in:\n{out}"
+
+
+def write_many_steps(path: Path) -> Path:
+    """A family of 200 tool loops (over 800 steps: three-digit counts) under a long file name."""
+    return write_varied_traces(path / "a-family-of-recorded-coding-agent-runs.jsonl", count=200)
+
+
+def test_replay_reads_at_80_columns_with_every_number_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dollar_prices: None
+) -> None:
+    long = write_many_steps(tmp_path)
+    tiny = write_tiny_traces(tmp_path / "tiny.jsonl")
+    context = ["--context", '{"cloud_share": 30, "pace_slack": 0.5, "max_steps": 30}']
+    at_80_columns(monkeypatch)
+    rows = {
+        name: invoke_json("replay", str(path), "--json", *context)
+        for name, path in (("long", long), ("tiny", tiny))
+    }
+    rows["all"] = invoke_json("replay", str(tmp_path), "--json", *context)
+    result = runner.invoke(app, ["replay", str(tmp_path), *context])
+    assert result.exit_code == 0, result.output
+    numbers = []
+    for row in rows.values():
+        numbers += [str(len(row["trajectories"])), str(row["steps"]), str(row["plan_steps"])]
+        numbers += [str(row["continuation_steps"]), str(row["paced_steps"]), str(row["switches"])]
+        numbers += [f"{row['cloud_fraction']:.2f}", f"{row['continuation_cloud_fraction']:.2f}"]
+        numbers += [f"${row['cost_usd']:.4f}", f"${row['all_cloud_cost_usd']:.4f}"]
+    assert rows["all"]["steps"] > 800
+    assert_fits_with_whole_numbers(tables_of(result.stdout, "on cloud:"), numbers)
+    assert "a-family-of-" in result.stdout  # the traces column keeps its width (it wraps the rest)
+
+
+def test_calibrate_reads_at_80_columns_with_every_number_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dollar_prices: None
+) -> None:
+    traces = str(write_many_steps(tmp_path))
+    args = ["calibrate", traces, "--target-cloud-fraction", "0.3", "--context", '{"max_steps": 30}']
+    at_80_columns(monkeypatch)
+    out = invoke_json(*args, "--json")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    numbers = ["200", str(out["steps"]), str(out["plan_steps"]), str(out["continuation_steps"])]
+    numbers += [str(out["context"]["cloud_share"]), f"{out['achieved']:.3f}", f"{out['cloud_fraction']:.3f}"]
+    numbers += [f"{out['continuation_cloud_fraction']:.3f}", f"{out['cost_fraction']:.2f}"]
+    assert out["steps"] > 800
+    assert_fits_with_whole_numbers(tables_of(result.stdout, "note:"), numbers)
+
+
+# --------------------------------------------------------------------------- the bundled sample
+
+
+def test_replay_and_calibrate_run_on_the_bundled_sample_without_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(TRACES_ENV, raising=False)
+    result = runner.invoke(app, ["replay", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "bundled sample" in result.stderr and SAMPLE_NAME in result.stderr
+    assert json.loads(result.stdout) == invoke_json("replay", str(SAMPLE_TRACES), "--json")
+    shown = runner.invoke(app, ["replay"])
+    assert "coding-agent" in shown.stdout and "travel-desk" in shown.stdout
+    calibrated = runner.invoke(app, ["calibrate", "--target-cloud-fraction", "0.3", "--json"])
+    assert calibrated.exit_code == 0, calibrated.output
+    assert abs(json.loads(calibrated.stdout)["achieved"] - 0.3) <= 0.1
+
+
+def test_without_paths_the_traces_come_from_the_variable_when_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_tiny_traces(tmp_path / "tiny.jsonl")
+    monkeypatch.setenv(TRACES_ENV, str(tmp_path))
+    result = runner.invoke(app, ["replay", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["steps"] == 7
+    assert TRACES_ENV in result.stderr
+
+
+def test_missing_traces_name_the_variable_and_the_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = runner.invoke(app, ["calibrate", str(tmp_path / "nowhere"), "--target-cloud-fraction", "0.3"])
+    assert result.exit_code == 2
+    message = " ".join(result.stderr.split())
+    assert "trace path not found" in message and "nowhere" in message
+    assert TRACES_ENV in message and SAMPLE_NAME in message
+    monkeypatch.setenv(TRACES_ENV, str(tmp_path / "gone"))
+    unset = runner.invoke(app, ["replay"])
+    assert unset.exit_code == 2
+    assert "gone" in unset.stderr and TRACES_ENV in " ".join(unset.stderr.split())
+
+
+def test_the_help_names_the_default_traces() -> None:
+    for command in ("replay", "calibrate"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.stdout.replace("│", " ").split())
+        assert TRACES_ENV in text and SAMPLE_NAME in text, text

@@ -12,15 +12,10 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.pricing import TokenPrices
 from fusion_graph.replay.history import ReplayedStep
-from fusion_graph.replay.traces import (
-    RecordedTrajectory,
-    ReplayedTrajectory,
-    StepPrices,
-    load_trajectories,
-    replay_trajectory,
-    resynthesis_count,
-    summarize,
-)
+from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
+from fusion_graph.replay.resynthesis import resynthesis_count
+from fusion_graph.replay.summary import summarize
+from fusion_graph.replay.traces import RecordedTrajectory, StepPrices, load_trajectories
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
 
 #: $1 in / $2 out per million tokens on cloud; local is free.

@@ -13,10 +13,6 @@ import pytest
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.calibration import (
-    ScoredStep,
-    ShareCount,
-    TargetOf,
-    Trace,
     best_plain_share,
     calibrate,
     calibrate_many,
@@ -24,16 +20,21 @@ from fusion_graph.replay.calibration import (
     fit_quantiles,
     fit_threshold,
     fraction_at,
-    permutation_p,
-    rank_auc,
+    share_for,
+)
+from fusion_graph.replay.evaluation import permutation_p, rank_auc, split_halves
+from fusion_graph.replay.replayed import replay_trajectory
+from fusion_graph.replay.shares import (
+    ScoredStep,
+    ShareCount,
+    TargetOf,
+    Trace,
     route_scores,
     scored_steps,
-    share_for,
     share_of,
     shares_of,
-    split_halves,
 )
-from fusion_graph.replay.traces import load_trajectories, replay_trajectory
+from fusion_graph.replay.traces import load_trajectories
 from fusion_graph.routing import QUANTILE_TABLE_LENGTH, StepScore
 
 

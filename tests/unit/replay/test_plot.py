@@ -16,7 +16,7 @@ from matplotlib.collections import PathCollection
 from matplotlib.figure import Figure
 
 from fusion_graph.context import FusionContext
-from fusion_graph.replay.calibration import calibrate_many, scored_steps, sweep
+from fusion_graph.replay.calibration import calibrate_many
 from fusion_graph.replay.history import ReplayedStep
 from fusion_graph.replay.plot import (
     DPI,
@@ -28,13 +28,10 @@ from fusion_graph.replay.plot import (
     summary,
     timelines,
 )
-from fusion_graph.replay.traces import (
-    RecordedTrajectory,
-    ReplayedTrajectory,
-    is_paced,
-    load_trajectories,
-    replay_trajectory,
-)
+from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
+from fusion_graph.replay.shares import scored_steps, sweep
+from fusion_graph.replay.summary import is_paced
+from fusion_graph.replay.traces import RecordedTrajectory, load_trajectories
 from fusion_graph.routing import Leg, RouteDecision, StepScore, StepSignals, hysteresis_band
 
 

@@ -9,19 +9,20 @@ import pytest
 
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.pricing import TokenPrices
-from fusion_graph.replay.calibration import scored_steps, shares_of
+from fusion_graph.replay.replayed import replay_trajectory, step_costs
+from fusion_graph.replay.shares import scored_steps, shares_of
+from fusion_graph.replay.summary import is_paced, plan_note, summarize
 from fusion_graph.replay.traces import (
+    SAMPLE_NAME,
+    SAMPLE_TRACES,
     SHARED_TRACES,
     TRACES_ENV,
     StepPrices,
-    is_paced,
+    default_traces,
+    families,
     load_trajectories,
-    plan_note,
-    replay_trajectory,
     repository_root,
     shared_traces,
-    step_costs,
-    summarize,
 )
 
 REPO = Path(__file__).parents[3]
@@ -75,6 +76,30 @@ def test_missing_traces_name_the_variable_and_the_path(tmp_path: Path) -> None:
     message = str(default.value)
     assert str(SHARED_TRACES) in message and f"set {TRACES_ENV}" in message
     assert str((tmp_path / "bare" / "shared" / "data" / "traces").resolve()) in message
+
+
+def test_the_sample_ships_inside_the_package_and_loads() -> None:
+    import fusion_graph
+
+    package = Path(fusion_graph.__file__).resolve().parent
+    assert SAMPLE_TRACES.is_relative_to(package)  # the wheel takes the whole package directory
+    assert SAMPLE_TRACES.relative_to(package.parent).as_posix() == SAMPLE_NAME
+    trajectories = load_trajectories([SAMPLE_TRACES])
+    assert set(families(trajectories)) == {"coding-agent", "travel-desk"}
+    assert all(t.reward is not None for t in trajectories)
+
+
+def test_the_default_traces_are_the_variables_else_the_sample(tmp_path: Path) -> None:
+    assert default_traces({})[0] == SAMPLE_TRACES
+    assert default_traces({TRACES_ENV: " "})[0] == SAMPLE_TRACES  # blank: unset
+    path, note = default_traces({TRACES_ENV: str(tmp_path)})
+    assert path == tmp_path and TRACES_ENV in note
+
+
+def test_missing_shared_traces_point_at_the_sample(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as given:
+        shared_traces({TRACES_ENV: str(tmp_path / "missing")})
+    assert SAMPLE_NAME in str(given.value)
 
 
 def tool_call(call_id: str) -> dict[str, object]:

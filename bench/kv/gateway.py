@@ -18,7 +18,7 @@ one fresh pool per variant and thread count:
 
 The physical minimum is the one-box benchmark's: per thread, the tokens new
 since its previous local request, tokenized by a llama-server. Each box runs
-``--box-slots`` slots (default ``BOX_SLOTS``). Run ``python -m bench.kv_reuse
+``--box-slots`` slots (default ``BOX_SLOTS``). Run ``python -m bench.kv.reuse
 --gateway --help``; see bench/README.md.
 """
 
@@ -32,7 +32,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from bench.kv_plan import ThreadPlan, plan_thread, route_trajectory
-from bench.kv_report import TIMING_NOTE
-from bench.kv_results import StepRecord, summarize
-from bench.kv_server import (
+from bench.kv.plan import ThreadPlan, plan_thread, route_trajectory
+from bench.kv.report import TIMING_NOTE
+from bench.kv.results import StepRecord, summarize
+from bench.kv.server import (
     MAX_TOKENS,
     MODEL_N_CTX,
     TEMPLATE,
@@ -52,7 +52,7 @@ from bench.kv_server import (
     prepare_server,
     tokenize_requests,
 )
-from bench.kv_server import server_version as llama_server_version
+from bench.kv.server import server_version as llama_server_version
 from bench.traces import Trajectory, explained, load_traces, select_quick, trace_files
 from fusion_graph.context import DEFAULTS
 from fusion_graph.providers.slots import BoxSlots, routing_key
@@ -74,7 +74,7 @@ ROUTING_HEADER = "x-fusion-thread"
 #: Threads replayed at once unless ``--threads`` says otherwise.
 DEFAULT_THREADS = (8,)
 #: Seconds one local request may take (the longest prefill here takes seconds) before the run fails.
-REQUEST_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = float(os.environ.get("KV_REQUEST_TIMEOUT_S", "300"))
 #: Requests over their minimum listed in the results (``excess_detail``), at most.
 EXCESS_DETAIL = 20
 #: ``manual_min_group`` processes at most this many times the minimum.
@@ -82,12 +82,12 @@ TARGET_MANUAL_OVER_MINIMUM = 1.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--gateway`` and its own options, on ``bench.kv_reuse``'s parser."""
+    """``--gateway`` and its own options, on ``bench.kv.reuse``'s parser."""
     parser.add_argument(
         "--gateway",
         action="store_true",
         help=f"replay the SWE-agent traces as --threads threads over {BOXES} llama-server boxes behind a "
-        "real smg gateway (variants manual_min_group, cache_aware, round_robin); see bench/kv_gateway.py",
+        "real smg gateway (variants manual_min_group, cache_aware, round_robin); see bench/kv/gateway.py",
     )
     parser.add_argument(
         "--box-slots",
@@ -334,7 +334,7 @@ def box_summary(steps: Sequence[GatewayStep], boxes: int) -> dict[str, Any]:
 
 
 def summarize_gateway(steps: Sequence[GatewayStep], boxes: int) -> dict[str, Any]:
-    """The one-box leaf (``kv_results.summarize``) plus ``processed_over_minimum`` and the boxes."""
+    """The one-box leaf (``results.summarize``) plus ``processed_over_minimum`` and the boxes."""
     leaf = summarize(s.record for s in steps)
     processed, minimum = leaf["processed_tokens"], leaf["minimum_tokens"]
     leaf["processed_over_minimum"] = round(processed / minimum, 4) if minimum else None
@@ -429,7 +429,8 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _box(setup: ServerSetup, n_slots: int, ctx_size: int, name: str) -> LlamaServer:
+def box_server(setup: ServerSetup, n_slots: int, ctx_size: int, name: str) -> LlamaServer:
+    """A box (not yet started): the tiny model, ``--alias local``, its log ``logs/name.log``."""
     from fusion_graph_testing import LlamaServer
 
     return LlamaServer(
@@ -442,7 +443,8 @@ def _box(setup: ServerSetup, n_slots: int, ctx_size: int, name: str) -> LlamaSer
     )
 
 
-def _gateway(variant: GatewayVariant, worker_urls: Sequence[str], log: Path) -> Gateway:
+def gateway_server(variant: GatewayVariant, worker_urls: Sequence[str], log: Path) -> Gateway:
+    """An ``smg launch`` (not yet started) over ``worker_urls`` with ``variant``'s policy."""
     from fusion_graph_testing import Gateway
 
     return Gateway(
@@ -452,6 +454,57 @@ def _gateway(variant: GatewayVariant, worker_urls: Sequence[str], log: Path) -> 
         assignment_mode="min_group" if variant.keyed else None,
         log_path=log,
     )
+
+
+def swe_trajectories(args: argparse.Namespace) -> list[Trajectory]:
+    """The SWE-agent trajectories of ``--traces`` (``--quick``: its subset); ``SystemExit`` when none."""
+    trajectories = load_traces(args.traces)
+    if args.quick:
+        trajectories = select_quick(trajectories)
+    swe = [t for t in trajectories if t.is_swe]
+    if not swe:
+        raise SystemExit(
+            "this benchmark replays the SWE-agent traces (files named swe*); none found in --traces"
+        )
+    return swe
+
+
+@dataclass(frozen=True)
+class PlannedThreads:
+    """Every distinct thread's plan, and what sizing the boxes needs."""
+
+    plans: dict[str, ThreadPlan]
+    steps: int
+    longest: int
+    slot_ctx: int
+    llama_server_version: str
+
+
+def plan_threads(setup: ServerSetup, threads: Iterable[Trajectory], cloud_share: int) -> PlannedThreads:
+    """Route each distinct thread's steps (default hysteresis), tokenize them on a llama-server, plan them."""
+    hysteresis = DEFAULTS["hysteresis"]
+    distinct = {t.thread_id: t for t in threads}
+    routed = {
+        tid: route_trajectory(t.messages, hysteresis=hysteresis, cloud_share=cloud_share)
+        for tid, t in distinct.items()
+    }
+    requests = [(tid, r.position) for tid, steps in routed.items() for r in steps]
+    _progress(f"{len(distinct)} threads, {len(requests)} steps")
+    tokenizer = setup.server(n_slots=1, ctx_size=4096, name="tokenize")
+    with tokenizer:
+        version = llama_server_version(tokenizer.binary)
+        tokens_flat = asyncio.run(
+            tokenize_requests(
+                tokenizer.base_url, [distinct[tid].messages[:position] for tid, position in requests]
+            )
+        )
+    tokens = dict(zip(requests, tokens_flat, strict=True))
+    longest = max((len(tok) for tok in tokens_flat), default=1)
+    plans = {
+        tid: plan_thread(distinct[tid], steps, [tokens[(tid, r.position)] for r in steps])
+        for tid, steps in routed.items()
+    }
+    return PlannedThreads(plans, len(requests), longest, per_slot_ctx(longest), version)
 
 
 def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
@@ -464,41 +517,18 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
     if box_slots < 2:
         raise SystemExit("--box-slots: at least 2 (BoxSlots keeps one slot per box for memory jobs)")
     smg = ensure_smg()  # before the slow part: a missing gateway stops the run at once
-    trajectories = load_traces(args.traces)
-    if args.quick:
-        trajectories = select_quick(trajectories)
-    swe = [t for t in trajectories if t.is_swe]
-    if not swe:
-        raise SystemExit("--gateway replays the SWE-agent traces (files named swe*); none found in --traces")
+    swe = swe_trajectories(args)
     hysteresis = DEFAULTS["hysteresis"]
     threads_by_level = {level: gateway_threads(swe, level) for level in args.threads}
-    distinct = {t.thread_id: t for threads in threads_by_level.values() for t in threads}
-    routed = {
-        tid: route_trajectory(t.messages, hysteresis=hysteresis, cloud_share=args.cloud_share)
-        for tid, t in distinct.items()
-    }
-    requests = [(tid, r.position) for tid, steps in routed.items() for r in steps]
-    _progress(f"{len(swe)} SWE-agent trajectories, {len(distinct)} threads, {len(requests)} steps")
+    _progress(f"{len(swe)} SWE-agent trajectories")
 
     results: dict[str, Any] = {}
     commands: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="kv-gateway-") as tmp:
         setup = prepare_server(Path(tmp))
-        tokenizer = setup.server(n_slots=1, ctx_size=4096, name="tokenize")
-        with tokenizer:
-            version = llama_server_version(tokenizer.binary)
-            tokens_flat = asyncio.run(
-                tokenize_requests(
-                    tokenizer.base_url, [distinct[tid].messages[:position] for tid, position in requests]
-                )
-            )
-        tokens = dict(zip(requests, tokens_flat, strict=True))
-        longest = max((len(tok) for tok in tokens_flat), default=1)
-        slot_ctx = per_slot_ctx(longest)
-        plans = {
-            tid: plan_thread(distinct[tid], steps, [tokens[(tid, r.position)] for r in steps])
-            for tid, steps in routed.items()
-        }
+        planned = plan_threads(setup, [t for ts in threads_by_level.values() for t in ts], args.cloud_share)
+        plans, longest, slot_ctx = planned.plans, planned.longest, planned.slot_ctx
+        version = planned.llama_server_version
         _progress(f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {longest} tokens")
 
         for variant in chosen:
@@ -511,10 +541,14 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
                 name = f"{variant.name}-t{level}"
                 with ExitStack() as stack:  # fresh boxes and gateway per run; all stopped, also on failure
                     boxes = [
-                        stack.enter_context(_box(setup, box_slots, slot_ctx * box_slots, f"{name}-box{i}"))
+                        stack.enter_context(
+                            box_server(setup, box_slots, slot_ctx * box_slots, f"{name}-box{i}")
+                        )
                         for i in range(BOXES)
                     ]
-                    gateway = _gateway(variant, [b.base_url for b in boxes], setup.logs / f"{name}-smg.log")
+                    gateway = gateway_server(
+                        variant, [b.base_url for b in boxes], setup.logs / f"{name}-smg.log"
+                    )
                     stack.enter_context(gateway)
                     commands[variant.name] = gateway.args()[1:]
                     t0 = time.perf_counter()
@@ -550,7 +584,7 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
         "threads": list(args.threads),
         "thread_copies": "thread i replays SWE trajectory i mod n; copy k >= 1 has '[copy k] ' "
         "prepended to its first user message (it shares the system prompt only)",
-        "steps": len(requests),
+        "steps": planned.steps,
         "cloud_share": args.cloud_share,
         "hysteresis": hysteresis,
         "boxes": BOXES,

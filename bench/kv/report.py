@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.kv_results import TARGET_FUSION_OVER_MINIMUM, TARGET_HAZARD_OVER_FUSION, TargetResult
+from bench.kv.results import TARGET_FUSION_OVER_MINIMUM, TARGET_HAZARD_OVER_FUSION, TargetResult
 
 TIMING_NOTE = (
     "Timing figures (prefill ms, wall s) come from one tiny random-weight model on this machine: "

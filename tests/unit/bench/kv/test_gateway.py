@@ -1,4 +1,4 @@
-"""Pure helpers of ``bench.kv_reuse --gateway`` (no gateway, no server, no shared trace data)."""
+"""Pure helpers of ``bench.kv.reuse --gateway`` (no gateway, no server, no shared trace data)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.kv_gateway import (
+from bench.kv.gateway import (
     BOX_SLOTS,
     GATEWAY_DEFAULT_VARIANTS,
     GATEWAY_VARIANTS,
@@ -20,8 +20,8 @@ from bench.kv_gateway import (
     mark_copy,
     summarize_gateway,
 )
-from bench.kv_results import StepRecord
-from bench.kv_reuse import parse_args
+from bench.kv.results import StepRecord
+from bench.kv.reuse import parse_args
 from bench.traces import Trajectory
 from fusion_graph.providers.slots import BoxSlots, routing_key
 

@@ -22,10 +22,11 @@ thread's previous local request: every request is rendered by the server
 is ``len(tokens) - LCP(tokens, previous local tokens)``.
 
 This module is the entry point (arguments, one fresh server per run, the
-results JSON); the pieces live in ``bench.traces``, ``bench.kv_plan``,
-``bench.kv_server``, ``bench.kv_replay``, ``bench.kv_results`` and
-``bench.kv_report``; ``--gateway`` (two boxes behind a real smg gateway) lives in
-``bench.kv_gateway``. Run ``python -m bench.kv_reuse --help``; see bench/README.md.
+results JSON); the pieces live in ``bench.traces``, ``bench.kv.plan``,
+``bench.kv.server``, ``bench.kv.replay``, ``bench.kv.results`` and
+``bench.kv.report``; ``--gateway`` (two boxes behind a real smg gateway) lives in
+``bench.kv.gateway`` and ``--workers`` (a thread's runs on different worker processes)
+in ``bench.kv.workers``. Run ``python -m bench.kv.reuse --help``; see bench/README.md.
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import kv_gateway
-from bench.kv_gateway import DEFAULT_THREADS as GATEWAY_DEFAULT_THREADS
-from bench.kv_gateway import GATEWAY_DEFAULT_VARIANTS
-from bench.kv_plan import CLOUD_SHARE, ThreadPlan, plan_thread, route_trajectory
-from bench.kv_replay import DEFAULT_VARIANTS, VARIANTS, run_variant
-from bench.kv_report import CLOUD_COUNT_NOTE, TIMING_NOTE, format_table, format_targets
-from bench.kv_results import evaluate_targets, summarize_with_files
-from bench.kv_server import (
+from bench.kv import gateway, workers
+from bench.kv.gateway import DEFAULT_THREADS as GATEWAY_DEFAULT_THREADS
+from bench.kv.gateway import GATEWAY_DEFAULT_VARIANTS
+from bench.kv.plan import CLOUD_SHARE, ThreadPlan, plan_thread, route_trajectory
+from bench.kv.replay import DEFAULT_VARIANTS, VARIANTS, run_variant
+from bench.kv.report import CLOUD_COUNT_NOTE, TIMING_NOTE, format_table, format_targets
+from bench.kv.results import evaluate_targets, summarize_with_files
+from bench.kv.server import (
     MAX_TOKENS,
     MODEL_N_CTX,
     N_SLOTS,
@@ -83,7 +84,7 @@ def parse_threads(text: str) -> list[int]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.kv_reuse",
+        prog="python -m bench.kv.reuse",
         description="KV-cache reuse of fusion routing on a real llama-server, replayed from agent traces.",
     )
     add_trace_arguments(parser)
@@ -92,7 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=parse_threads,
         default=None,
         help="concurrency levels, comma-separated (default: 1,4; with --gateway: threads replayed at once, "
-        f"default {','.join(map(str, GATEWAY_DEFAULT_THREADS))})",
+        f"default {','.join(map(str, GATEWAY_DEFAULT_THREADS))}; with --workers: one count, "
+        f"default {workers.THREADS})",
     )
     parser.add_argument(
         "--variants",
@@ -103,7 +105,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         + ", ".join(GATEWAY_DEFAULT_VARIANTS)
         + " (default: all)",
     )
-    kv_gateway.add_arguments(parser)  # --gateway, --box-slots
+    gateway.add_arguments(parser)  # --gateway, --box-slots
+    workers.add_arguments(parser)  # --workers, --placements, --boxes, --spare-at, --steps-per-run
     parser.add_argument(
         "--cloud-share",
         type=int,
@@ -120,7 +123,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.threads is None:
-        args.threads = list(GATEWAY_DEFAULT_THREADS) if args.gateway else [1, 4]
+        if args.workers:
+            args.threads = [workers.THREADS]
+        else:
+            args.threads = list(GATEWAY_DEFAULT_THREADS) if args.gateway else [1, 4]
     if args.variants is None:
         args.variants = ",".join(GATEWAY_DEFAULT_VARIANTS if args.gateway else DEFAULT_VARIANTS)
     return args
@@ -248,8 +254,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workers:
+        return workers.main(args)
     if args.gateway:
-        return kv_gateway.main(args)
+        return gateway.main(args)
     result = explained(lambda: run(args), args.traces)
     if result is None:
         return 2

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from bench.kv_plan import PlannedStep, common_prefix_len, new_token_counts, plan_thread, route_trajectory
-from bench.kv_report import format_table
-from bench.kv_results import StepRecord, evaluate_targets, summarize, summarize_with_files
-from bench.kv_reuse import parse_threads
-from bench.kv_server import per_slot_ctx
+from bench.kv.plan import PlannedStep, common_prefix_len, new_token_counts, plan_thread, route_trajectory
+from bench.kv.report import format_table
+from bench.kv.results import StepRecord, evaluate_targets, summarize, summarize_with_files
+from bench.kv.reuse import parse_threads
+from bench.kv.server import per_slot_ctx
 from bench.traces import TraceError, Trajectory, assistant_positions, parse_trace_lines, select_quick
 from fusion_graph.context import DEFAULTS
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from bench.kv_plan import ThreadPlan
-from bench.kv_results import StepRecord
-from bench.kv_server import MAX_TOKENS, N_SLOTS
+from bench.kv.plan import ThreadPlan
+from bench.kv.results import StepRecord
+from bench.kv.server import MAX_TOKENS, N_SLOTS
 from fusion_graph.context import DEFAULTS
 from fusion_graph.providers.placement import slot_body
 from fusion_graph.providers.slots import SlotPool

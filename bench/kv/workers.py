@@ -1,0 +1,823 @@
+"""``--workers``: does the local leg reuse the prefix cache when a thread's runs land on different workers?
+
+A deployment runs N worker processes, and a LangGraph server hands each run of
+a thread to whichever one is free. Each worker here is a real process
+(``python -m bench.kv.workers --serve PORT``, JSON lines over a loopback socket)
+with its own ``ProviderResolver`` built from its ``FUSION_*`` environment, so
+its own placer (``resolver.placement``). The coordinator replays ``--threads``
+SWE-agent threads at once (``gateway.gateway_threads``, routed with
+``route_trajectory``; cloud steps only count) and sends each thread's local
+steps in order, in runs of ``--steps-per-run``: thread i's run k goes to worker
+(i + k) mod N. A worker places the step (``placement.place``), sends the raw
+request (``max_tokens: 1``, ``temperature: 0``, the placement's ``id_slot`` +
+``cache_prompt`` and headers) to the placement's box when it names one, else to
+the local link's base URL (the gateway, or the single box), tells the placer
+which box a gateway answered from (``placement.served``), and returns
+llama-server's ``timings``, the slot and the box.
+
+Variants (each on fresh boxes, a fresh gateway, fresh workers and, when
+shared, a fresh database):
+
+* placement ``in-process`` (``shared_state`` off: every worker its own slot
+  table) or ``shared`` (``FUSION_SHARED_STATE=postgres``, one database for all
+  workers: slot leases);
+* 1, 2 or 4 workers (``--workers``);
+* 1 box (one llama-server) or 2 boxes: ``in-process`` goes through a real
+  ``smg`` gateway by routing key (manual policy, min_group), as deployments do
+  today; ``shared`` goes straight to the box its lease names (the gateway still
+  runs and is the local base URL);
+* slots ``tight`` (as many conversation slots in all as threads, plus each
+  box's reserved reflection slot: ``-np 9`` on 1 box, ``-np 5`` per box on 2)
+  or ``spare`` (twice as many), ``spare`` only at ``--spare-at`` workers.
+
+Per variant: processed / physical minimum (the one-box benchmark's minimum:
+per thread, the tokens new since its previous local request), slot collisions
+(a request on a (box, slot) whose previous request was another thread's),
+thread moves (a thread's consecutive local requests on different (box, slot)),
+threads per box and seconds. Run ``python -m bench.kv.reuse --workers 1,2,4``;
+see bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+
+from bench.kv.gateway import (
+    GATEWAY_VARIANTS,
+    MODEL_ALIAS,
+    REQUEST_TIMEOUT_S,
+    GatewayStep,
+    box_server,
+    gateway_server,
+    gateway_threads,
+    plan_threads,
+    summarize_gateway,
+    swe_trajectories,
+)
+from bench.kv.plan import ThreadPlan
+from bench.kv.report import TIMING_NOTE
+from bench.kv.results import StepRecord
+from bench.kv.server import MAX_TOKENS, MODEL_N_CTX, TEMPLATE, ServerSetup, prepare_server
+from bench.traces import REPO_ROOT, explained, trace_files
+from fusion_graph.context import DEFAULTS
+from fusion_graph.providers.slots import box_name
+from fusion_graph_testing.llama_server import HOST, free_port
+from fusion_graph_testing.process import ManagedProcess
+
+if TYPE_CHECKING:
+    from fusion_graph_testing import LlamaServer
+    from fusion_graph_testing.postgres import PostgresCluster
+
+T = TypeVar("T")
+PlacementKind = Literal["in-process", "shared"]
+SlotMode = Literal["tight", "spare"]
+
+#: Worker counts unless ``--workers`` says otherwise (``--workers`` alone turns this benchmark on).
+DEFAULT_WORKERS = (1, 2, 4)
+PLACEMENTS: tuple[PlacementKind, ...] = ("in-process", "shared")
+#: Box counts of the default grid.
+DEFAULT_BOXES = (1, 2)
+SLOT_MODES: tuple[SlotMode, ...] = ("tight", "spare")
+#: Worker counts the ``spare`` slots are also run at.
+DEFAULT_SPARE_AT = (2,)
+#: Threads replayed at once.
+THREADS = 8
+#: Local steps of a thread one worker sends before its next run goes to the next worker.
+STEPS_PER_RUN = 5
+#: ``--quick``: each thread's first local steps only (runs of ``STEPS_PER_RUN``, then a shorter one).
+QUICK_LOCAL_STEPS = 7
+#: Seconds a worker may take to build its resolver and listen.
+WORKER_START_TIMEOUT_S = 120.0
+#: Longest JSON line a worker or the coordinator reads (a request carries its whole conversation).
+LINE_LIMIT = 64 * 1024 * 1024
+#: Requests over their minimum listed in the results (``excess_detail``), at most.
+EXCESS_DETAIL = 20
+#: The expectation checked (not asserted): shared placement processes at most this many times the minimum.
+SHARED_OVER_MINIMUM = 1.02
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--workers`` and its own options, on ``bench.kv.reuse``'s parser."""
+    parser.add_argument(
+        "--workers",
+        type=parse_counts,
+        default=None,
+        metavar="N,N",
+        help="replay the SWE-agent traces as --threads threads whose runs go to N worker processes "
+        f"round robin (e.g. {','.join(map(str, DEFAULT_WORKERS))}); see bench/kv/workers.py",
+    )
+    parser.add_argument(
+        "--placements",
+        type=parse_placements,
+        default=PLACEMENTS,
+        metavar="LIST",
+        help=f"with --workers: any of {', '.join(PLACEMENTS)} (default: both)",
+    )
+    parser.add_argument(
+        "--boxes",
+        type=parse_counts,
+        default=DEFAULT_BOXES,
+        metavar="N,N",
+        help=f"with --workers: llama-server boxes, 1 or 2 (default {','.join(map(str, DEFAULT_BOXES))})",
+    )
+    parser.add_argument(
+        "--spare-at",
+        type=lambda text: parse_counts(text, allow_empty=True),
+        default=DEFAULT_SPARE_AT,
+        metavar="N,N",
+        help="with --workers: worker counts also run with spare slots, twice as many as threads "
+        f"(default {','.join(map(str, DEFAULT_SPARE_AT))}; '' for none)",
+    )
+    parser.add_argument(
+        "--steps-per-run",
+        type=int,
+        default=STEPS_PER_RUN,
+        metavar="N",
+        help=f"with --workers: local steps of a thread per run (default {STEPS_PER_RUN})",
+    )
+
+
+# -- the grid ----------------------------------------------------------------------------
+
+
+def parse_counts(text: str, *, allow_empty: bool = False) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``: positive, distinct, in the given order."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+    if (not values and not allow_empty) or any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def parse_placements(text: str) -> tuple[PlacementKind, ...]:
+    """``"shared,in-process"`` -> the placements named, in order; unknown names are refused."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known: dict[str, PlacementKind] = {p: p for p in PLACEMENTS}
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"placements: {unknown or text!r} is not one of {list(PLACEMENTS)}")
+    return tuple(dict.fromkeys(known[name] for name in names))
+
+
+@dataclass(frozen=True)
+class WorkersVariant:
+    """One point of the grid: where slots are decided, how many workers, boxes and slots."""
+
+    placement: PlacementKind
+    workers: int
+    boxes: int
+    slots: SlotMode
+
+    @property
+    def name(self) -> str:
+        """``shared-w2-b2-tight``."""
+        return f"{self.placement}-w{self.workers}-b{self.boxes}-{self.slots}"
+
+    def box_slots(self, threads: int) -> int:
+        """Each box's ``-np``: its share of the conversation slots plus its reflection slot."""
+        conversation = threads if self.slots == "tight" else 2 * threads
+        return -(-conversation // self.boxes) + 1
+
+
+def build_grid(
+    workers: Sequence[int],
+    *,
+    boxes: Sequence[int] = DEFAULT_BOXES,
+    placements: Sequence[PlacementKind] = PLACEMENTS,
+    spare_at: Sequence[int] = DEFAULT_SPARE_AT,
+) -> list[WorkersVariant]:
+    """Boxes × workers × placements with tight slots, then the same with spare slots at ``spare_at``."""
+    grid = [
+        WorkersVariant(placement, n, b, "tight") for b in boxes for n in workers for placement in placements
+    ]
+    grid += [
+        WorkersVariant(placement, n, b, "spare") for b in boxes for n in spare_at for placement in placements
+    ]
+    return list(dict.fromkeys(grid))
+
+
+# -- runs and workers --------------------------------------------------------------------
+
+
+def runs_of(steps: Sequence[T], size: int) -> list[list[T]]:
+    """Consecutive runs of ``size`` steps (the last one may be shorter)."""
+    if size < 1:
+        raise ValueError(f"steps per run must be >= 1, got {size}")
+    return [list(steps[i : i + size]) for i in range(0, len(steps), size)]
+
+
+def worker_for(thread_index: int, run_index: int, workers: int) -> int:
+    """The worker of thread ``thread_index``'s run ``run_index``: round robin, starting at its own index."""
+    return (thread_index + run_index) % workers
+
+
+def step_workers(local_steps: int, thread_index: int, *, steps_per_run: int, workers: int) -> list[int]:
+    """The worker of each of a thread's local steps, in order."""
+    return [worker_for(thread_index, i // steps_per_run, workers) for i in range(local_steps)]
+
+
+def truncate_plan(plan: ThreadPlan, local_steps: int) -> ThreadPlan:
+    """The plan up to and including its ``local_steps``-th local step (``--quick``)."""
+    kept = []
+    seen = 0
+    for step in plan.steps:
+        if seen == local_steps:
+            break
+        kept.append(step)
+        seen += step.leg == "local"
+    return ThreadPlan(plan.trajectory, tuple(kept))
+
+
+def worker_env(
+    variant: WorkersVariant, *, local_base_url: str, boxes: Sequence[str], database: str | None
+) -> dict[str, str]:
+    """The ``FUSION_*`` settings of every worker of ``variant`` (the deployment's operator settings)."""
+    env = {
+        "FUSION_LOCAL_BASE_URL": local_base_url,
+        "FUSION_LOCAL_MODEL": MODEL_ALIAS,
+        "FUSION_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
+        "FUSION_SHARED_STATE": "off",
+    }
+    if len(boxes) > 1:
+        env["FUSION_LOCAL_WORKERS"] = json.dumps([box_name(box) for box in boxes])
+    if variant.placement == "shared":
+        if database is None:
+            raise ValueError("shared placement needs a database")
+        env["FUSION_SHARED_STATE"] = "postgres"
+        env["FUSION_SHARED_STATE_URL"] = database
+    return env
+
+
+# -- counting ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacedStep:
+    """One step's cost, and where it ran (``worker``, ``box`` and ``slot`` are ``None`` for a cloud step).
+
+    ``finished`` is the wall-clock time the worker got the answer: one slot serves
+    one request at a time, so on a (box, slot) it orders the requests as the
+    server ran them.
+    """
+
+    record: StepRecord
+    thread: str
+    position: int
+    run: int | None = None
+    worker: int | None = None
+    box: int | None = None
+    slot: int | None = None
+    finished: float = 0.0
+    notes: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def local(self) -> bool:
+        """Whether it was sent to a box."""
+        return self.box is not None
+
+
+def slot_collisions(steps: Iterable[PlacedStep]) -> int:
+    """Local requests on a (box, slot) whose previous request there came from another thread."""
+    last: dict[tuple[int | None, int | None], str] = {}
+    collisions = 0
+    for step in sorted((s for s in steps if s.local), key=lambda s: s.finished):
+        where = (step.box, step.slot)
+        if where in last and last[where] != step.thread:
+            collisions += 1
+        last[where] = step.thread
+    return collisions
+
+
+def thread_moves(steps: Iterable[PlacedStep]) -> int:
+    """A thread's consecutive local requests on different (box, slot), over all threads."""
+    last: dict[str, tuple[int | None, int | None]] = {}
+    moves = 0
+    for step in sorted((s for s in steps if s.local), key=lambda s: (s.thread, s.position)):
+        where = (step.box, step.slot)
+        if step.thread in last and last[step.thread] != where:
+            moves += 1
+        last[step.thread] = where
+    return moves
+
+
+def summarize_workers(steps: Sequence[PlacedStep], boxes: int) -> dict[str, Any]:
+    """The gateway leaf (tokens, ``processed_over_minimum``, per box) plus collisions, moves and notes."""
+    leaf = summarize_gateway([GatewayStep(s.record, s.thread, s.position, s.box) for s in steps], boxes)
+    local = [s for s in steps if s.local]
+    leaf["slot_collisions"] = slot_collisions(steps)
+    leaf["thread_moves"] = thread_moves(steps)
+    leaf["guest_requests"] = sum(1 for s in local if s.notes.get("guest"))
+    leaf["fallback_requests"] = sum(
+        1 for s in local if str(s.notes.get("placement", "")).startswith("in-process:")
+    )
+    leaf["excess_detail"] = [
+        {
+            "thread": s.thread,
+            "position": s.position,
+            "run": s.run,
+            "worker": s.worker,
+            "box": s.box,
+            "slot": s.slot,
+            "prompt_n": s.record.prompt_n,
+            "cache_n": s.record.cache_n,
+            "minimum": s.record.minimum,
+        }
+        for s in local
+        if s.record.prompt_n > s.record.minimum
+    ][:EXCESS_DETAIL]
+    return leaf
+
+
+# -- the worker process ------------------------------------------------------------------
+
+
+async def _serve(port: int) -> None:
+    """Place and send the steps the coordinator sends, one JSON line a request and one a reply."""
+    import httpx
+
+    from fusion_graph.context import FusionContext
+    from fusion_graph.providers.resolver import ProviderResolver
+    from fusion_graph_testing import served_by
+
+    resolver = ProviderResolver()  # the operator settings from this process's FUSION_* environment
+    chain = await resolver.chain(FusionContext(mode="local"))
+    link = next(link for link in chain.links if link.leg == "local")
+    base_url = link.as_provider().base_url or resolver.settings.local_base_url
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
+
+        async def step(request: Mapping[str, Any]) -> dict[str, Any]:
+            thread = str(request["thread"])
+            placement = await resolver.placement.place(link, thread)
+            url = f"{placement.box}/v1" if placement.box else base_url
+            body = {
+                "model": resolver.settings.local_model,
+                "messages": request["messages"],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                **(placement.body("local") or {}),
+            }
+            try:
+                response = await client.post(
+                    f"{url}/chat/completions", json=body, headers=dict(placement.headers or {})
+                )
+            except httpx.TimeoutException as error:
+                raise RuntimeError(
+                    f"no answer from {url} within {REQUEST_TIMEOUT_S:.0f} s (slot {placement.slot}, "
+                    f"{type(error).__name__}); a stuck llama-server?"
+                ) from error
+            finished = time.time()
+            if response.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
+            gateway_box = served_by(response.headers)
+            moved_from = None
+            if gateway_box is not None:
+                moved_from = await resolver.placement.served(link, thread, gateway_box)
+            timings = response.json()["timings"]
+            return {
+                "prompt_n": int(timings["prompt_n"]),
+                "cache_n": int(timings["cache_n"]),
+                "prompt_ms": float(timings["prompt_ms"]),
+                "slot": placement.slot,
+                "box": box_name(gateway_box or placement.box or url),
+                "moved_from": moved_from,
+                "notes": dict(placement.notes),
+                "finished": finished,
+            }
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                request = json.loads(await reader.readline())
+                reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
+                if request.get("op") == "step":
+                    reply.update(await step(request))
+            except Exception as error:  # noqa: BLE001 - the coordinator gets the error as its reply
+                reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+            writer.write(json.dumps(reply, default=str).encode() + b"\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, HOST, port, limit=LINE_LIMIT)
+        print(
+            f"placement worker {os.getpid()} on {HOST}:{port}: {type(resolver.placement).__name__}",
+            flush=True,
+        )
+        try:
+            async with server:
+                await server.serve_forever()
+        finally:
+            await resolver.aclose()
+
+
+class PlacementWorker(ManagedProcess):
+    """One worker process (``python -m bench.kv.workers --serve PORT``), stopped by its own PID."""
+
+    def __init__(self, env: Mapping[str, str], *, log_path: Path) -> None:
+        """A worker whose resolver reads its operator settings from ``env`` (``FUSION_*``)."""
+        self.env = dict(env)
+        self.log_path = log_path
+        self.port = 0
+
+    def args(self) -> list[str]:
+        """The worker's command line."""
+        return [sys.executable, "-m", "bench.kv.workers", "--serve", str(self.port)]
+
+    def launch_env(self) -> Mapping[str, str]:
+        """This environment less its ``FUSION_*``, plus the worker's own; the checkout importable."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")}
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH", "")) if p)
+        return {**base, **self.env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+    def launch_cwd(self) -> Path:
+        """The log's folder: no ``.env`` of the checkout is read."""
+        return self.log_path.parent
+
+    def start(self) -> Self:
+        """Launch on a free port and wait until it answers a ping."""
+        self.port = free_port()
+        self._launch()
+        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(self._failure("the placement worker exited while starting"))
+            try:
+                with socket.create_connection((HOST, self.port), timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(
+            self._failure(f"the placement worker did not listen within {WORKER_START_TIMEOUT_S:g} s")
+        )
+
+    async def step(self, thread: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Place and send one local step of ``thread``; the reply has timings, slot and box."""
+        reader, writer = await asyncio.open_connection(HOST, self.port, limit=LINE_LIMIT)
+        try:
+            payload = {"op": "step", "thread": thread, "messages": list(messages)}
+            writer.write(json.dumps(payload).encode() + b"\n")
+            await writer.drain()
+            try:
+                line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT_S + 30)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"worker on port {self.port}: no answer for {thread} within "
+                    f"{REQUEST_TIMEOUT_S + 30:.0f} s"
+                ) from None
+        finally:
+            writer.close()
+        if not line:
+            raise RuntimeError(self._failure("the placement worker closed the connection"))
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.get("ok"):
+            raise RuntimeError(f"worker on port {self.port}, {thread}: {reply.get('error')}")
+        return reply
+
+
+# -- the replay --------------------------------------------------------------------------
+
+
+async def replay_thread(
+    workers: Sequence[PlacementWorker],
+    plan: ThreadPlan,
+    thread_index: int,
+    *,
+    steps_per_run: int,
+    box_index: Mapping[str, int],
+    out: list[PlacedStep],
+) -> None:
+    """Send one thread's local steps in order, each run to its worker; cloud steps only count."""
+    trajectory = plan.trajectory
+    thread = trajectory.thread_id
+    local = sum(1 for step in plan.steps if step.leg == "local")
+    assigned = iter(step_workers(local, thread_index, steps_per_run=steps_per_run, workers=len(workers)))
+    seen = 0
+    for step in plan.steps:
+        base = StepRecord(trajectory.file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
+        if step.leg == "cloud":
+            out.append(PlacedStep(base, thread, step.position))
+            continue
+        worker = next(assigned)
+        run = seen // steps_per_run
+        seen += 1
+        reply = await workers[worker].step(thread, trajectory.messages[: step.position])
+        box = box_index.get(box_name(str(reply["box"])))
+        if box is None:
+            raise RuntimeError(f"{thread} step {step.position}: answered by an unknown box {reply['box']!r}")
+        record = StepRecord(
+            trajectory.file,
+            "local",
+            step.n_tokens,
+            step.minimum,
+            step.estimate_tokens,
+            prompt_n=int(reply["prompt_n"]),
+            cache_n=int(reply["cache_n"]),
+            prompt_ms=float(reply["prompt_ms"]),
+        )
+        slot = reply["slot"]
+        out.append(
+            PlacedStep(
+                record,
+                thread,
+                step.position,
+                run=run,
+                worker=worker,
+                box=box,
+                slot=int(slot) if slot is not None else None,
+                finished=float(reply["finished"]),
+                notes=dict(reply.get("notes") or {}),
+            )
+        )
+
+
+async def replay_variant(
+    workers: Sequence[PlacementWorker],
+    plans: Sequence[ThreadPlan],
+    *,
+    steps_per_run: int,
+    box_index: Mapping[str, int],
+) -> tuple[list[PlacedStep], float]:
+    """Start the workers, then replay every thread at once; the steps and the replay's seconds."""
+    await asyncio.gather(*(asyncio.to_thread(worker.start) for worker in workers))
+    out: list[PlacedStep] = []
+    started = time.perf_counter()
+    await asyncio.gather(
+        *(
+            replay_thread(workers, plan, i, steps_per_run=steps_per_run, box_index=box_index, out=out)
+            for i, plan in enumerate(plans)
+        )
+    )
+    return out, time.perf_counter() - started
+
+
+def database_name(variant: WorkersVariant) -> str:
+    """A Postgres database name for ``variant`` (lowercase letters, digits and ``_``)."""
+    return "kv_" + re.sub(r"[^a-z0-9]+", "_", variant.name.lower())
+
+
+def run_one(
+    variant: WorkersVariant,
+    plans: Sequence[ThreadPlan],
+    *,
+    setup: ServerSetup,
+    slot_ctx: int,
+    steps_per_run: int,
+    cluster: PostgresCluster | None,
+) -> dict[str, Any]:
+    """One variant on fresh boxes, gateway, workers and database; its leaf (``summarize_workers``)."""
+    name = variant.name
+    np = variant.box_slots(len(plans))
+    with ExitStack() as stack:  # everything started here is stopped on exit, also on failure
+        boxes: list[LlamaServer] = [
+            stack.enter_context(box_server(setup, np, slot_ctx * np, f"{name}-box{i}"))
+            for i in range(variant.boxes)
+        ]
+        urls = [box.base_url for box in boxes]
+        local_base_url = boxes[0].openai_base_url
+        smg: list[str] = []
+        if variant.boxes > 1:
+            manual = GATEWAY_VARIANTS[0]  # manual + min_group by x-fusion-thread: what deployments run
+            gateway = stack.enter_context(gateway_server(manual, urls, setup.logs / f"{name}-smg.log"))
+            local_base_url = gateway.openai_base_url
+            smg = gateway.args()[1:]
+        database = None
+        if variant.placement == "shared":
+            if cluster is None:
+                raise RuntimeError("shared placement needs the Postgres cluster")
+            database = cluster.create_database(database_name(variant))
+            stack.callback(cluster.drop_database, database_name(variant))
+        env = worker_env(variant, local_base_url=local_base_url, boxes=urls, database=database)
+        workers = [
+            PlacementWorker(env, log_path=setup.logs / f"{name}-worker{i}.log")
+            for i in range(variant.workers)
+        ]
+        for worker in workers:
+            stack.callback(worker.stop)
+        box_index = {box_name(url): i for i, url in enumerate(urls)}
+        try:
+            steps, wall = asyncio.run(
+                replay_variant(workers, plans, steps_per_run=steps_per_run, box_index=box_index)
+            )
+        except RuntimeError as error:  # the logs go with the temporary directory
+            tails = [f"--- {b.log_path.name}:\n{b.log_tail(12)}" for b in boxes]
+            tails += [f"--- {w.log_path.name}:\n{w.log_tail(12)}" for w in workers]
+            raise RuntimeError(f"{name}: {error}\n" + "\n".join(tails)) from error
+    leaf = summarize_workers(steps, variant.boxes)
+    leaf.update(
+        placement=variant.placement,
+        workers=variant.workers,
+        boxes_n=variant.boxes,
+        slots=variant.slots,
+        box_slots=np,
+        wall_s=round(wall, 2),
+        smg_command=smg,
+        worker_env={k: v for k, v in env.items() if k != "FUSION_SHARED_STATE_URL"},
+    )
+    return leaf
+
+
+def run_workers(args: argparse.Namespace) -> dict[str, Any]:
+    """Tokenize, plan and replay every variant of the grid; return the results."""
+    started = time.perf_counter()
+    threads_n = args.threads[0]
+    grid = build_grid(args.workers, boxes=args.boxes, placements=args.placements, spare_at=args.spare_at)
+    if any(variant.boxes > 1 for variant in grid):
+        from fusion_graph_testing import ensure_smg
+
+        ensure_smg()  # before the slow part: a missing gateway stops the run at once
+    swe = swe_trajectories(args)
+    threads = gateway_threads(swe, threads_n)
+    _progress(f"{len(swe)} SWE-agent trajectories as {threads_n} threads; {len(grid)} variants")
+
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kv-workers-") as tmp, ExitStack() as stack:
+        setup = prepare_server(Path(tmp))
+        planned = plan_threads(setup, threads, args.cloud_share)
+        plans = [planned.plans[t.thread_id] for t in threads]
+        if args.quick:
+            plans = [truncate_plan(plan, QUICK_LOCAL_STEPS) for plan in plans]
+        _progress(
+            f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {planned.longest} tokens"
+        )
+        cluster = None
+        if any(variant.placement == "shared" for variant in grid):
+            from fusion_graph_testing.postgres import PostgresCluster
+
+            cluster = stack.enter_context(PostgresCluster(prefix="kv-workers-pg-"))
+        for variant in grid:
+            leaf = run_one(
+                variant,
+                plans,
+                setup=setup,
+                slot_ctx=planned.slot_ctx,
+                steps_per_run=args.steps_per_run,
+                cluster=cluster,
+            )
+            results[variant.name] = leaf
+            _progress(
+                f"{variant.name} (-np {leaf['box_slots']}): processed {leaf['processed_tokens']:,} minimum "
+                f"{leaf['minimum_tokens']:,} = {leaf['processed_over_minimum']}, collisions "
+                f"{leaf['slot_collisions']}, moves {leaf['thread_moves']}, threads per box "
+                f"{leaf['threads_per_box']} in {leaf['wall_s']:.1f} s"
+            )
+
+    meta = {
+        "mode": "workers",
+        "traces": [str(p) for p in trace_files(args.traces)],
+        "quick": args.quick,
+        "quick_local_steps": QUICK_LOCAL_STEPS if args.quick else None,
+        "trajectories": len(swe),
+        "threads": threads_n,
+        "steps_per_run": args.steps_per_run,
+        "worker_assignment": "thread i's run k (its local steps from k * steps_per_run on) goes to worker "
+        "(i + k) % N",
+        "steps": planned.steps,
+        "cloud_share": args.cloud_share,
+        "hysteresis": DEFAULTS["hysteresis"],
+        "ctx_per_slot": planned.slot_ctx,
+        "longest_prompt_tokens": planned.longest,
+        "max_tokens": MAX_TOKENS,
+        "llama_server_version": planned.llama_server_version,
+        "model": f"tiny random-weight qwen2 (harness write_tiny_model, qwen2 vocab), n_ctx {MODEL_N_CTX}",
+        "chat_template": TEMPLATE,
+        "cache_reset": "fresh boxes, gateway, worker processes and database per variant",
+        "timing_note": TIMING_NOTE,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    return {"variants": results, "meta": meta}
+
+
+# -- the report --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkersCheck:
+    """The expectation on one shared variant: at most ``SHARED_OVER_MINIMUM`` × the minimum."""
+
+    variant: str
+    holds: bool | None
+    detail: str
+
+
+def evaluate_checks(variants: Mapping[str, Mapping[str, Any]]) -> list[WorkersCheck]:
+    """Every shared variant processes at most ``SHARED_OVER_MINIMUM`` × the minimum."""
+    checks = []
+    for name, leaf in variants.items():
+        if leaf.get("placement") != "shared":
+            continue
+        ratio = leaf.get("processed_over_minimum")
+        if ratio is None:
+            checks.append(WorkersCheck(name, None, "nothing processed"))
+            continue
+        detail = (
+            f"processed {leaf['processed_tokens']} = {ratio:.3f} × minimum {leaf['minimum_tokens']} "
+            f"(expected <= {SHARED_OVER_MINIMUM:.2f})"
+        )
+        checks.append(WorkersCheck(name, ratio <= SHARED_OVER_MINIMUM, detail))
+    return checks
+
+
+def _int(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else "-"
+
+
+def format_workers_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
+    """The Markdown table: one row per variant."""
+    header = (
+        "| placement | workers | boxes × `-np` | slots | local steps | processed | minimum | "
+        "processed / minimum | slot collisions | thread moves | threads per box | seconds |"
+    )
+    lines = [header, "| " + " | ".join(["---"] * 12) + " |"]
+    for leaf in variants.values():
+        ratio = leaf.get("processed_over_minimum")
+        cells = [
+            str(leaf.get("placement")),
+            str(leaf.get("workers")),
+            f"{leaf.get('boxes_n')} × {leaf.get('box_slots')}",
+            str(leaf.get("slots")),
+            _int(leaf.get("local_steps")),
+            _int(leaf.get("processed_tokens")),
+            _int(leaf.get("minimum_tokens")),
+            f"{ratio:.3f}" if isinstance(ratio, float | int) else "-",
+            _int(leaf.get("slot_collisions")),
+            _int(leaf.get("thread_moves")),
+            " / ".join(map(str, leaf.get("threads_per_box", []))),
+            f"{leaf.get('wall_s', 0):.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_checks(checks: Sequence[WorkersCheck]) -> str:
+    """One line per shared variant."""
+    words = {True: "HOLDS", False: "FAILS", None: "n/a"}
+    return "\n".join(f"  {c.variant}: {words[c.holds]:<5}  {c.detail}" for c in checks)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse what ``--workers`` cannot run, naming the option (``SystemExit``)."""
+    if args.gateway:
+        raise SystemExit("--workers and --gateway are separate benchmarks: pick one")
+    if len(args.threads) != 1:
+        raise SystemExit(f"--threads with --workers: one thread count, got {args.threads}")
+    if any(b not in (1, 2) for b in args.boxes):
+        raise SystemExit(f"--boxes: 1 or 2, got {list(args.boxes)}")
+    if args.steps_per_run < 1:
+        raise SystemExit(f"--steps-per-run: at least 1, got {args.steps_per_run}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``--workers``, print the table and the check, write ``--out``."""
+    check_arguments(args)
+    result = explained(lambda: run_workers(args), args.traces)
+    if result is None:
+        return 2
+    checks = evaluate_checks(result["variants"])
+    result["checks"] = [{"variant": c.variant, "holds": c.holds, "detail": c.detail} for c in checks]
+    meta = result["meta"]
+    print(
+        f"KV reuse over worker processes: {meta['trajectories']} SWE-agent trajectories as {meta['threads']} "
+        f"threads, runs of {meta['steps_per_run']} local steps round robin over the workers, "
+        f"{meta['llama_server_version']}, cloud_share {meta['cloud_share']}"
+    )
+    print(format_workers_table(result["variants"]))
+    print(f"Check (shared placement <= {SHARED_OVER_MINIMUM:.2f} × minimum):")
+    if meta["quick"]:
+        print("  (--quick replays each thread's first local steps only: indicative only)")
+    print(format_checks(checks))
+    print(f"Note: {TIMING_NOTE}")
+    print(f"Total wall time {meta['wall_s']} s.")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"JSON written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m bench.kv.workers --serve PORT
+    serving = argparse.ArgumentParser(prog="python -m bench.kv.workers")
+    serving.add_argument(
+        "--serve", type=int, required=True, metavar="PORT", help="listen on this loopback port"
+    )
+    asyncio.run(_serve(serving.parse_args().serve))

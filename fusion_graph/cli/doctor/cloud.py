@@ -1,0 +1,267 @@
+"""Doctor's cloud rows: the key (named by its variable, never shown), the endpoint, the model's price.
+
+The endpoint is asked ``GET /models`` with the key; ``--live`` adds a one-token
+completion. A URL that answers with something other than JSON (an HTML page)
+is not an OpenAI-compatible API, and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from fusion_graph.cli.checks import KEY_IN_NAME, KEY_IN_NAME_FIX, key_variable
+from fusion_graph.cli.doctor.rows import Check, count, error_text, json_body, transport, what_answered
+
+if TYPE_CHECKING:
+    import httpx
+
+    from fusion_graph.context import FusionContext
+    from fusion_graph.settings import FusionSettings
+
+#: The cloud base URL when ``cloud_base_url`` is empty (what the OpenAI SDK uses).
+OPENAI_BASE_URL = "https://api.openai.com/v1"
+
+
+@dataclass(frozen=True)
+class FoundKey:
+    """Where the cloud key was found: a variable's name, and whether the runtime sees it.
+
+    Attributes:
+        variable: The variable's name (``OPENAI_API_KEY``, ``FUSION_CLOUD_API_KEY``...).
+        where: ``environment`` or ``.env``.
+        exported: Whether ``FusionSettings.api_key()`` returns it (``fusion-graph run``,
+            ``build_graph`` in the operator's own process).
+        value: The key; never printed.
+    """
+
+    variable: str
+    where: Literal["environment", ".env"]
+    exported: bool
+    value: str = field(repr=False)
+
+
+# -- the key -----------------------------------------------------------------------------
+
+
+def read_dotenv(path: Path = Path(".env")) -> dict[str, str]:
+    """The variables a ``.env`` file sets (empty ones left out); ``{}`` without one."""
+    from dotenv import dotenv_values
+
+    if not path.is_file():
+        return {}
+    return {name: value for name, value in dotenv_values(path).items() if value}
+
+
+def find_cloud_key(
+    settings: FusionSettings, environ: Mapping[str, str], dotenv: Mapping[str, str]
+) -> FoundKey | None:
+    """The cloud key the way ``FusionSettings.api_key()`` finds it, plus one ``.env`` only sees.
+
+    ``FusionSettings`` reads ``.env`` for ``FUSION_*`` names only: a key under the
+    variable named by ``cloud_api_key_env`` (``OPENAI_API_KEY``) counts only once it
+    is in the environment. ``langgraph dev`` loads ``.env`` into the environment.
+    """
+    secret = settings.cloud_api_key
+    if secret is not None and secret.get_secret_value():
+        name = "FUSION_CLOUD_API_KEY"
+        in_env = any(key.upper() == name for key in environ)
+        return FoundKey(name, "environment" if in_env else ".env", True, secret.get_secret_value())
+    variable = key_variable(settings)
+    if variable is None:
+        return None
+    if environ.get(variable):
+        return FoundKey(variable, "environment", True, environ[variable])
+    if dotenv.get(variable):
+        return FoundKey(variable, ".env", False, dotenv[variable])
+    return None
+
+
+def cloud_key_check(settings: FusionSettings, found: FoundKey | None) -> Check:
+    """The key is named by its variable; its value, length or any part of it is never shown."""
+    variable = key_variable(settings)
+    if variable is None:
+        if found is None:
+            return Check("cloud key", "fail", f"no cloud API key: {KEY_IN_NAME}", KEY_IN_NAME_FIX)
+        return Check(
+            "cloud key",
+            "warn",
+            f"{found.variable} is set, but {KEY_IN_NAME}: a key kept in a setting's name ends up where "
+            "names are shown",
+            KEY_IN_NAME_FIX,
+        )
+    if found is None:
+        return Check(
+            "cloud key",
+            "fail",
+            f"no cloud API key: {variable} is not set in the environment or .env, "
+            "nor is FUSION_CLOUD_API_KEY",
+            f"export {variable}=... (FUSION_CLOUD_API_KEY_ENV names the variable; or set "
+            "FUSION_CLOUD_API_KEY in the environment or .env)",
+        )
+    if not found.exported:
+        return Check(
+            "cloud key",
+            "ok",
+            f"{found.variable} is set in ./.env (`fusion-graph run` and `langgraph dev` read it there; "
+            "build_graph() in your own process reads the environment or FUSION_CLOUD_API_KEY)",
+        )
+    return Check("cloud key", "ok", f"{found.variable} is set (in the {found.where})")
+
+
+# -- the endpoint ------------------------------------------------------------------------
+
+
+def not_an_api(name: str, method: str, url: str, base: str, response: httpx.Response) -> Check:
+    """The row for a URL that answered with something other than JSON: not an OpenAI-compatible API."""
+    return Check(
+        name,
+        "fail",
+        f"{method} {url} answered {response.status_code} with {what_answered(response)}: {base} is not "
+        "an OpenAI-compatible API",
+        "set FUSION_CLOUD_BASE_URL to the provider's API base URL (it ends in /v1; empty means OpenAI)",
+    )
+
+
+def cloud_models_check(
+    settings: FusionSettings, key: FoundKey | None, client: httpx.Client, base: str
+) -> Check:
+    """``GET {base}/models`` with the key: 2xx ok, 401/403 the key is refused, not JSON: not an API."""
+    import httpx
+
+    name = "cloud endpoint"
+    if key is None:
+        return Check(
+            name, "warn", f"skipped: no cloud key to call {base} with", "set the key (see cloud key)"
+        )
+    url = f"{base}/models"
+    try:
+        response = client.get(url, headers={"Authorization": f"Bearer {key.value}"})
+    except httpx.HTTPError as error:
+        return Check(
+            name,
+            "fail",
+            f"cannot reach {url} ({transport(error)})",
+            "check FUSION_CLOUD_BASE_URL (empty means OpenAI) and the network",
+        )
+    code = response.status_code
+    if code < 500 and json_body(response) is None:
+        return not_an_api(name, "GET", url, base, response)
+    if code in (401, 403):
+        return Check(
+            name,
+            "fail",
+            f"key refused: GET {url} answered {code} ({error_text(response)})",
+            f"check the key in {key.variable} (and that FUSION_CLOUD_BASE_URL is the key's provider)",
+        )
+    if code >= 500:
+        return Check(name, "fail", f"GET {url} answered {code} ({error_text(response)})", "retry later")
+    if code >= 400:
+        return Check(
+            name,
+            "warn",
+            f"GET {url} answered {code} ({error_text(response)}); not every gateway lists models",
+            "run doctor --live to send a one-token completion instead",
+        )
+    return _listed_models(settings, url, code, response)
+
+
+def _listed_models(settings: FusionSettings, url: str, code: int, response: httpx.Response) -> Check:
+    """OK, or a warning naming the allowed cloud models the list does not hold."""
+    body = json_body(response)
+    data = body.get("data") if isinstance(body, dict) else None
+    ids = {m.get("id") for m in data if isinstance(m, dict)} if isinstance(data, list) else set()
+    missing = [m for m in settings.allowed_cloud_models if ids and m not in ids]
+    if missing:
+        return Check(
+            "cloud endpoint",
+            "warn",
+            f"GET {url} answered {code}, but its {count(len(ids), 'model')} do not include "
+            f"{', '.join(missing)}",
+            "check FUSION_CLOUD_MODEL / FUSION_CLOUD_MODELS against the provider's model names",
+        )
+    listed = f" ({count(len(ids), 'model')}, {settings.cloud_model} among them)" if ids else ""
+    return Check("cloud endpoint", "ok", f"GET {url} answered {code}{listed}")
+
+
+def cloud_completion_check(settings: FusionSettings, key: FoundKey, client: httpx.Client, base: str) -> Check:
+    """``--live``: a one-token chat completion (``max_completion_tokens=1``, as the graph sends it)."""
+    import httpx
+
+    name = "cloud completion"
+    url = f"{base}/chat/completions"
+    body = {
+        "model": settings.cloud_model,
+        "messages": [{"role": "user", "content": "Say ok."}],
+        "max_completion_tokens": 1,
+    }
+    try:
+        response = client.post(url, json=body, headers={"Authorization": f"Bearer {key.value}"})
+    except httpx.HTTPError as error:
+        return Check(name, "fail", f"cannot reach {url} ({transport(error)})", "check FUSION_CLOUD_BASE_URL")
+    code, text = response.status_code, error_text(response)
+    model = settings.cloud_model
+    if code < 500 and json_body(response) is None:
+        return not_an_api(name, "POST", url, base, response)
+    if code < 300:
+        return Check(name, "ok", f"{model} answered a one-token completion (HTTP {code})")
+    if code in (401, 403):
+        return Check(name, "fail", f"key refused for {model}: HTTP {code} ({text})", f"check {key.variable}")
+    if code == 404:
+        return Check(name, "fail", f"{model} not found: HTTP 404 ({text})", "check FUSION_CLOUD_MODEL")
+    if code == 429 and "quota" not in text.lower():
+        return Check(name, "warn", f"rate limited: HTTP 429 ({text})", "retry later")
+    if code == 429:
+        return Check(
+            name, "fail", f"out of quota: HTTP 429 ({text})", "check the account's quota and billing"
+        )
+    if code >= 500:
+        return Check(name, "fail", f"HTTP {code} ({text})", "retry later")
+    return Check(
+        name,
+        "warn",
+        f"HTTP {code} ({text}): the key was accepted, the one-token request was refused",
+        "read the message: some models refuse a 1-token limit",
+    )
+
+
+def cloud_checks(
+    settings: FusionSettings, key: FoundKey | None, *, live: bool, timeout: float
+) -> list[Check]:
+    """The cloud endpoint's rows: its model list, and with ``live`` a one-token completion."""
+    import httpx
+
+    base = (settings.cloud_base_url or OPENAI_BASE_URL).rstrip("/")
+    with httpx.Client(timeout=timeout) as client:
+        checks = [cloud_models_check(settings, key, client, base)]
+        if live and key is not None and checks[0].status != "fail":
+            checks.append(cloud_completion_check(settings, key, client, base))
+    return checks
+
+
+# -- the price ---------------------------------------------------------------------------
+
+
+def cloud_price_check(context: FusionContext, settings: FusionSettings) -> Check:
+    """The cloud model's price (overrides or the catalogue); without one, costs are unknown: a warning."""
+    from fusion_graph.cli.prices import cloud_prices, price_fix, price_source
+
+    model = context.cloud_model or settings.cloud_model
+    prices = cloud_prices(context, settings)
+    if prices is None:
+        return Check(
+            "cloud price",
+            "warn",
+            f"{model!r} has no known price ({price_source(settings, model)}): run costs, savings and "
+            "cloud budgets cannot count its steps",
+            price_fix(settings, model),
+        )
+    cached = "" if prices.cached_input is None else f", ${prices.cached_input:g} cached"
+    return Check(
+        "cloud price",
+        "ok",
+        f"{model}: ${prices.input:g} in, ${prices.output:g} out{cached} per million tokens "
+        f"({price_source(settings, model)})",
+    )
