@@ -26,6 +26,16 @@ from fusion_graph.ranges import between, price, seconds
 
 ENV_PREFIX = "FUSION_"
 
+
+def dotenv_value(name: str, path: str = ".env") -> str | None:
+    """``name``'s non-empty value in the dotenv file at ``path`` (``None``: no file, unset or empty)."""
+    if not os.path.isfile(path):
+        return None
+    from dotenv import dotenv_values  # python-dotenv: what pydantic-settings reads .env with
+
+    value = dotenv_values(path).get(name)
+    return value or None
+
 Price = Annotated[float, AfterValidator(price)]
 
 
@@ -253,10 +263,14 @@ class FusionSettings(BaseSettings):
         return value
 
     def api_key(self) -> SecretStr | None:
-        """The cloud key: ``cloud_api_key``, else the variable named by ``cloud_api_key_env``."""
+        """The cloud key: ``cloud_api_key``, else the variable named by ``cloud_api_key_env``.
+
+        The variable is read from the environment, else from ``.env`` in the working
+        directory; an empty value never stands for a key (nor hides one set elsewhere).
+        """
         if self.cloud_api_key is not None and self.cloud_api_key.get_secret_value():
             return self.cloud_api_key
-        value = os.environ.get(self.cloud_api_key_env)
+        value = os.environ.get(self.cloud_api_key_env) or dotenv_value(self.cloud_api_key_env)
         return SecretStr(value) if value else None
 
     @property

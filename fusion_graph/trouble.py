@@ -61,6 +61,9 @@ ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("traceback", re.compile(r"^Traceback \(most recent call last\):", re.MULTILINE)),
     # A line that starts with an exception: "SyntaxError: invalid syntax", "json.JSONDecodeError: ...".
     ("exception line", re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ", re.MULTILINE)),
+    # A Python syntax error reported inside a line, as linters and edit guards print it:
+    # "- E999 IndentationError: unexpected indent", "x.py:3:1: E999 SyntaxError: invalid syntax".
+    ("syntax error", re.compile(r"(?:^|\s)(?:Syntax|Indentation|Tab)Error: ", re.MULTILINE)),
     # A non-zero exit: "exit code 2", "Exit status: 1", "exited with code 1", "non-zero exit status 1".
     (
         "non-zero exit",

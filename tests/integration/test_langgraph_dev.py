@@ -43,15 +43,18 @@ def fakes() -> Iterator[tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]]:
 
 
 @contextlib.contextmanager
-def serve(tmp_path: Path, settings: dict[str, str]) -> Iterator[str]:
-    """A real ``langgraph dev`` in ``tmp_path`` with the operator's ``settings`` in its environment."""
+def serve(tmp_path: Path, settings: dict[str, str], *, env_file: bool = False) -> Iterator[str]:
+    """A real ``langgraph dev`` in ``tmp_path`` with the operator's ``settings`` in its environment.
+
+    ``env_file``: the config loads ``.env`` from ``tmp_path`` (as the repository's ``langgraph.json`` does).
+    """
     if not CLI.exists():
         pytest.fail(f"langgraph CLI not found at {CLI}: install the dev extra (langgraph-cli[inmem])")
     config = tmp_path / "langgraph.json"
     graph = json.loads((ROOT / "langgraph.json").read_text(encoding="utf-8"))
     graph["dependencies"] = [str(ROOT)]
     graph["graphs"] = {name: str(ROOT / path.removeprefix("./")) for name, path in graph["graphs"].items()}
-    graph["env"] = {}
+    graph["env"] = str(tmp_path / ".env") if env_file else {}
     config.write_text(json.dumps(graph), encoding="utf-8")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
@@ -325,3 +328,32 @@ async def test_budgets_resynthesis_and_the_routing_key_through_langgraph_dev(tmp
             [plan_record] = lowered["route_log"]
             assert plan_record["leg"] == "local" and "thread budget $0.0" in plan_record["reason"]
             assert len(cloud.requests) == 2
+
+
+async def test_the_env_template_copied_to_env_keeps_the_exported_key_under_langgraph_dev(
+    tmp_path: Path, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]
+) -> None:
+    """The README's ``cp .env.example .env``, with the key exported: a turn reaches the cloud with it."""
+    cloud, local, _ = fakes
+    shutil.copy(ROOT / ".env.example", tmp_path / ".env")
+    settings = {
+        "OPENAI_API_KEY": "sk-exported-by-the-user-0123456789",
+        "FUSION_CLOUD_BASE_URL": cloud.base_url,
+        "FUSION_LOCAL_BASE_URL": local.base_url,
+        "FUSION_LOCAL_SLOTS": "4",
+    }
+    with serve(tmp_path, settings, env_file=True) as url:
+        client: Any = get_client(url=url)
+        assistant = (await client.assistants.search(graph_id="fusion"))[0]["assistant_id"]
+        thread = await client.threads.create()
+        result = await client.runs.wait(
+            thread["thread_id"],
+            assistant,
+            input={"messages": [{"role": "user", "content": "hi"}]},
+            context={"cloud_share": 30, "sub_runners": "off"},
+            raise_error=False,
+        )
+    assert isinstance(result, dict) and "__error__" not in result, result
+    assert cloud.request_headers and cloud.request_headers[0]["authorization"] == (
+        "Bearer sk-exported-by-the-user-0123456789"
+    )

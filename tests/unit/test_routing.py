@@ -12,15 +12,23 @@ import pytest
 
 from fusion_graph import routing
 from fusion_graph.routing import (
+    QUANTILE_TABLE_LENGTH,
+    TROUBLE_WEIGHTS,
     WEIGHTS,
+    Latch,
     Leg,
     Mode,
+    Pace,
+    RouteDecision,
     StepScore,
     StepSignals,
+    TroubleScore,
+    TroubleSignals,
     check_score_quantiles,
     cloud_threshold,
     decide_leg,
     hysteresis_band,
+    latch_rule,
     score_step,
 )
 
@@ -602,3 +610,217 @@ def test_turn_depth_reaches_1_at_the_last_step_a_turn_may_run() -> None:
     assert score_step(sig(step=9, max_steps=10)).turn_depth == 25
     assert score_step(sig(step=1, max_steps=2)).turn_depth == 25
     assert score_step(sig(step=0, max_steps=1)).turn_depth == 0
+
+
+# --------------------------------------------------------------------------- trouble signals and the latch
+
+
+def troubled(severity: float = 0.0, no_progress: float = 0.0, **overrides: object) -> TroubleSignals:
+    """``sig(**overrides)`` with the trouble signals (no latch, no progress event)."""
+    return TroubleSignals(
+        **vars(sig(**overrides)),
+        error_severity=severity,
+        no_progress=no_progress,
+        progress=False,
+        latched=None,
+    )
+
+
+def trouble_score(base: float, trouble: float) -> TroubleScore:
+    """A trouble score whose four terms sum to ``base`` and whose error term is ``trouble`` points."""
+    total = min(100, int(base + trouble + 0.5))
+    return TroubleScore(
+        score=total,
+        context_pressure=base,
+        turn_depth=0,
+        transient_notice=0,
+        tail_growth=0,
+        error_severity=trouble,
+        no_progress=0,
+    )
+
+
+def test_plain_signals_score_exactly_as_the_seed_rule() -> None:
+    signals = sig(prompt_tokens=300, step=4, tool_output_tokens=50, transient_notice=True)
+    score = score_step(signals)
+    assert type(score) is StepScore
+    assert set(score.breakdown()) == set(WEIGHTS)
+    assert score.trouble == 0 and score.base_points == score.points
+
+
+def test_no_trouble_scores_what_the_four_terms_give() -> None:
+    for overrides in (
+        {},
+        {"prompt_tokens": 300, "step": 4},
+        {"tool_output_tokens": 70, "transient_notice": True},
+    ):
+        plain, quiet = score_step(sig(**overrides)), score_step(troubled(**overrides))
+        assert isinstance(quiet, TroubleScore)
+        assert (quiet.score, quiet.points, quiet.base_points) == (plain.score, plain.points, plain.points)
+        assert quiet.breakdown() == {**plain.breakdown(), "error_severity": 0.0, "no_progress": 0.0}
+
+
+@pytest.mark.parametrize(("severity", "no_progress"), [(1.0, 0.0), (0.0, 1.0), (0.5, 0.5), (0.75, 0.25)])
+def test_the_trouble_terms_weigh_their_weights(severity: float, no_progress: float) -> None:
+    score = score_step(troubled(severity, no_progress, prompt_tokens=250))  # 10 points of pressure
+    expected = TROUBLE_WEIGHTS["error_severity"] * severity + TROUBLE_WEIGHTS["no_progress"] * no_progress
+    assert isinstance(score, TroubleScore)
+    assert score.breakdown()["error_severity"] == TROUBLE_WEIGHTS["error_severity"] * severity
+    assert score.breakdown()["no_progress"] == TROUBLE_WEIGHTS["no_progress"] * no_progress
+    assert score.trouble == expected
+    assert score.points == 10 + expected == pytest.approx(sum(score.breakdown().values()))
+    assert score.score == int(10 + expected + 0.5)
+
+
+def test_the_score_with_trouble_stays_on_the_0_100_scale() -> None:
+    everything = {k: v for d in SATURATED.values() for k, v in d.items()}
+    score = score_step(troubled(1.0, 1.0, **everything))
+    assert (score.score, score.points, score.base_points) == (100, 100, 100)
+    assert score.trouble == sum(TROUBLE_WEIGHTS.values())
+    assert score_step(troubled(7.0, -3.0)).trouble == TROUBLE_WEIGHTS["error_severity"]  # ratios clipped
+
+
+def latched_run(
+    steps: Sequence[tuple[float, float, bool]], *, start: Leg = "local", cloud_share: int = 50
+) -> list[RouteDecision]:
+    """``decide_leg`` over ``(base points, trouble points, progress event)`` steps, as a turn carries the latch."""
+    leg, since, decisions = start, None, []
+    for step, (base, trouble, progress) in enumerate(steps, start=1):
+        decision = decide_leg(
+            mode="fusion",
+            step=step,
+            current_leg=leg,
+            score=trouble_score(base, trouble),
+            cloud_share=cloud_share,
+            latch=Latch(since, progress),
+        )
+        leg, since = decision.leg, decision.latch
+        decisions.append(decision)
+    return decisions
+
+
+def test_a_step_escalated_for_trouble_latches_the_turn_on_cloud_until_progress() -> None:
+    # cloud_share=50 -> T=50, h=10: escalate at 60, stay on cloud down to 40.
+    decisions = latched_run(
+        [
+            (10, 0, False),  # local
+            (15, 50, False),  # 65 >= 60 only with trouble: escalate, latch at step 2
+            (12, 25, False),  # 37 < 40: the band says local, the latch holds cloud
+            (12, 0, False),  # still no progress event: held
+            (35, 12.5, True),  # progress: released; 47.5 >= 40 stays on cloud by hysteresis
+            (30, 6.25, False),  # 36 < 40: back to local
+        ]
+    )
+    assert [d.leg for d in decisions] == ["local", "cloud", "cloud", "cloud", "cloud", "local"]
+    assert [d.latch for d in decisions] == [None, 2, 2, 2, None, None]
+    assert "without trouble 15 < 60: latched on cloud until a progress event" in decisions[1].reason
+    assert "trouble 50 (error severity 1 × 50 = 50, no progress 0 × 30 = 0)" in decisions[1].reason
+    assert "score 37 < 40 (T=50 - h=10): back to local" in decisions[2].reason
+    assert "latched on cloud since step 2: no progress event yet" in decisions[2].reason
+    assert "progress event: latch from step 2 released" in decisions[4].reason
+    assert "stay on cloud" in decisions[4].reason
+
+
+def test_a_passing_test_run_releases_the_latch() -> None:
+    decisions = latched_run([(15, 50, False), (5, 0, True)])
+    assert [(d.leg, d.latch) for d in decisions] == [("cloud", 1), ("local", None)]
+
+
+def test_escalating_on_the_four_terms_alone_does_not_latch() -> None:
+    decisions = latched_run([(62, 10, False), (20, 0, False)])
+    assert [(d.leg, d.latch) for d in decisions] == [("cloud", None), ("local", None)]
+
+
+def test_staying_on_cloud_for_trouble_does_not_latch() -> None:
+    # From cloud (the plan's leg) trouble keeps the step there by the band; only escalations latch,
+    # so the step a progress event releases never latches again.
+    decisions = latched_run([(20, 25, False), (10, 0, False)], start="cloud")
+    assert [(d.leg, d.latch) for d in decisions] == [("cloud", None), ("local", None)]
+
+
+def test_a_calibrated_table_latches_on_points() -> None:
+    table = [float(k) / 2 for k in range(QUANTILE_TABLE_LENGTH)]  # cloud_share 50 -> T = 25 points
+    decision = decide_leg(
+        mode="fusion",
+        step=1,
+        current_leg="local",
+        score=trouble_score(20.5, 15),
+        cloud_share=50,
+        score_quantiles=table,
+        latch=Latch(),
+    )
+    assert (decision.leg, decision.latch) == ("cloud", 1)
+    assert "without trouble 20.5 < 35: latched" in decision.reason
+
+
+def test_the_pace_overrules_a_held_latch_and_keeps_it() -> None:
+    decision = decide_leg(
+        mode="fusion",
+        step=3,
+        current_leg="cloud",
+        score=trouble_score(5, 0),
+        cloud_share=50,
+        pace=Pace(0.5, steps=2, cloud=2),
+        latch=Latch(since=1),
+    )
+    assert (decision.leg, decision.latch) == ("local", 1)
+    assert "latched on cloud since step 1" in decision.reason and "paced to local" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("mode", "cloud_share"), [("cloud", 30), ("local", 30), ("fusion", 0), ("fusion", 100)]
+)
+def test_fixed_rules_never_latch(mode: Mode, cloud_share: int) -> None:
+    decision = decide_leg(
+        mode=mode,
+        step=2,
+        current_leg="local",
+        score=trouble_score(10, 90),
+        cloud_share=cloud_share,
+        latch=Latch(since=1),
+    )
+    assert decision.latch is None
+
+
+def test_without_a_latch_decisions_are_the_seed_rule() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        score = score_of(rng.randint(0, 100))
+        kwargs: dict[str, Any] = {
+            "mode": "fusion",
+            "step": rng.randint(0, 5),
+            "current_leg": rng.choice(["local", "cloud", None]),
+            "score": score,
+            "cloud_share": rng.randint(0, 100),
+        }
+        plain = decide_leg(**kwargs)
+        assert decide_leg(**kwargs, latch=None) == plain
+        assert plain.latch is None
+        with_latch = decide_leg(**kwargs, latch=Latch())  # a plain score has no trouble: never latches
+        assert (with_latch.leg, with_latch.threshold, with_latch.latch) == (plain.leg, plain.threshold, None)
+
+
+@pytest.mark.parametrize(
+    ("band", "since", "progress", "for_trouble", "expected"),
+    [
+        ("local", None, False, False, ("local", None)),
+        ("cloud", None, False, False, ("cloud", None)),
+        ("cloud", None, False, True, ("cloud", 4)),
+        ("local", 2, False, False, ("cloud", 2)),
+        ("cloud", 2, False, True, ("cloud", 2)),
+        ("local", 2, True, False, ("local", None)),
+        ("cloud", 2, True, False, ("cloud", None)),
+        ("cloud", 2, True, True, ("cloud", 4)),
+    ],
+)
+def test_latch_rule(
+    band: Leg, since: int | None, progress: bool, for_trouble: bool, expected: tuple[Leg, int | None]
+) -> None:
+    assert latch_rule(band, Latch(since, progress), step=4, for_trouble=for_trouble) == expected
+
+
+def test_trouble_signals_know_when_the_latch_holds() -> None:
+    base = troubled()
+    assert not base.held
+    assert dataclasses.replace(base, latched=2).held
+    assert not dataclasses.replace(base, latched=2, progress=True).held

@@ -55,6 +55,25 @@ def read_dotenv(path: Path = Path(".env")) -> dict[str, str]:
     return {name: value for name, value in dotenv_values(path).items() if value}
 
 
+def blank_key_check(settings: FusionSettings, path: Path = Path(".env")) -> Check | None:
+    """A warning when ``.env`` sets the key's variable to nothing: ``langgraph dev`` would blank it."""
+    from dotenv import dotenv_values
+
+    variable = key_variable(settings)
+    if variable is None or not path.is_file():
+        return None
+    values = dotenv_values(path)
+    if variable not in values or values[variable]:
+        return None
+    return Check(
+        "cloud key in .env",
+        "warn",
+        f"./.env sets {variable} to nothing: `langgraph dev` loads .env over the environment, so the "
+        "key you exported would be blank there",
+        f"delete that line from .env, or comment it out (# {variable}=)",
+    )
+
+
 def find_cloud_key(
     settings: FusionSettings, environ: Mapping[str, str], dotenv: Mapping[str, str]
 ) -> FoundKey | None:
@@ -105,8 +124,8 @@ def cloud_key_check(settings: FusionSettings, found: FoundKey | None) -> Check:
         return Check(
             "cloud key",
             "ok",
-            f"{found.variable} is set in ./.env (`fusion-graph run` and `langgraph dev` read it there; "
-            "build_graph() in your own process reads the environment or FUSION_CLOUD_API_KEY)",
+            f"{found.variable} is set in ./.env (`fusion-graph run`, `langgraph dev` and build_graph() "
+            "run from this directory read it there)",
         )
     return Check("cloud key", "ok", f"{found.variable} is set (in the {found.where})")
 

@@ -23,6 +23,7 @@ from fusion_graph.cli.common import build_context, build_settings, fail, stdout_
 from fusion_graph.cli.doctor.checkpoints import DEFAULT_DB, postgres_check, sqlite_check
 from fusion_graph.cli.doctor.cloud import (
     FoundKey,
+    blank_key_check,
     cloud_checks,
     cloud_key_check,
     cloud_price_check,
@@ -134,8 +135,10 @@ def doctor(
     key = find_cloud_key(settings, os.environ, read_dotenv())
     budget, prompt = run_context.max_completion_tokens, first_prompt_tokens(run_context, settings)
     local = pool_checks if settings.local_workers else llama_checks
+    blank = blank_key_check(settings)
     checks = [
         cloud_key_check(settings, key),
+        *([blank] if blank is not None else []),
         *cloud_checks(settings, key, live=live, timeout=timeout),
         cloud_price_check(run_context, settings),
         *local(settings, budget, timeout=timeout, prompt_tokens=prompt),
