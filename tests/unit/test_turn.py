@@ -1,12 +1,25 @@
-"""The turn's bookkeeping: the pace counted from the route log."""
+"""The turn's bookkeeping: the pace counted from the route log, the trouble signals and the latch."""
 
 from __future__ import annotations
 
+from typing import cast
+
+import pytest
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage
+
 from fusion_graph.context import FusionContext
 from fusion_graph.records import RouteRecord, StepKind, make_record
-from fusion_graph.routing import Leg, Pace, RouteDecision
+from fusion_graph.routing import (
+    Leg,
+    Pace,
+    RouteDecision,
+    StepScore,
+    StepSignals,
+    TroubleScore,
+    TroubleSignals,
+)
 from fusion_graph.state import State
-from fusion_graph.turn import pace_of
+from fusion_graph.turn import from_pending, next_route, pace_of, to_pending
 
 
 def record(kind: StepKind, routed: Leg, answered: Leg | None = None) -> RouteRecord:
@@ -38,3 +51,66 @@ def test_pace_of_counts_the_routers_continuation_steps_in_the_route_log() -> Non
     assert pace_of(state, FusionContext(pace_slack=0.5)) == Pace(0.5, steps=4, cloud=2)
     assert pace_of({"messages": []}, FusionContext(pace_slack=2)) == Pace(2, steps=0, cloud=0)
     assert pace_of(state, FusionContext()) is None  # the default context does not pace
+
+
+# --------------------------------------------------------------------------- trouble signals
+
+
+def failing_turn(*, latch: int | None = None, leg: Leg = "local") -> State:
+    """A turn whose last batch failed twice (error severity 1), routed from ``leg``."""
+    calls = [{"name": "lookup", "args": {"key": key}, "id": key, "type": "tool_call"} for key in ("a", "b")]
+    messages = [
+        HumanMessage("do it"),
+        AIMessage("", tool_calls=calls),
+        *(ToolMessage(f"Error: no {c['id']}", tool_call_id=c["id"], status="error") for c in calls),
+    ]
+    state: State = {"messages": cast(list[AnyMessage], messages), "step": 1, "leg": leg, "notice": False}
+    if latch is not None:
+        state["latch"] = latch
+    return state
+
+
+def test_with_trouble_signals_off_the_route_is_the_seed_rule() -> None:
+    decision, signals = next_route(failing_turn(latch=1), FusionContext(cloud_share=50))
+    assert type(signals) is StepSignals and type(decision.score) is StepScore
+    assert decision.latch is None
+    assert decision.leg == "local"  # the state's latch is not read
+    assert "trouble" not in decision.reason
+
+
+def test_with_trouble_signals_on_a_failing_batch_escalates_and_latches() -> None:
+    context = FusionContext(cloud_share=50, trouble_signals=True)
+    decision, signals = next_route(failing_turn(), context)
+    assert isinstance(signals, TroubleSignals)
+    assert (signals.error_severity, signals.no_progress, signals.progress, signals.latched) == (
+        1.0,
+        0.0,
+        False,
+        None,
+    )
+    assert isinstance(decision.score, TroubleScore)
+    assert decision.score.error_severity == 50
+    assert (decision.leg, decision.latch) == ("cloud", 2)
+
+
+def test_the_latch_in_state_is_what_the_next_step_finds() -> None:
+    context = FusionContext(cloud_share=50, trouble_signals=True)
+    decision, signals = next_route(failing_turn(latch=2, leg="cloud"), context)
+    assert isinstance(signals, TroubleSignals) and signals.latched == 2 and signals.held
+    assert (decision.leg, decision.latch) == ("cloud", 2)
+
+
+def test_plans_never_carry_trouble_signals() -> None:
+    context = FusionContext(cloud_share=50, trouble_signals=True)
+    decision, signals = next_route(failing_turn(latch=2), context, plan=True)
+    assert type(signals) is StepSignals and decision.latch is None
+
+
+@pytest.mark.parametrize("trouble_signals", [False, True])
+def test_a_pending_route_reads_back_as_the_decision_it_was(trouble_signals: bool) -> None:
+    context = FusionContext(cloud_share=50, trouble_signals=trouble_signals)
+    decision, signals = next_route(failing_turn(), context)
+    back, back_signals = from_pending(to_pending(2, decision, signals))
+    assert back_signals == signals and type(back_signals) is type(signals)
+    assert back.score == decision.score and type(back.score) is type(decision.score)
+    assert (back.leg, back.threshold, back.reason) == (decision.leg, decision.threshold, decision.reason)
