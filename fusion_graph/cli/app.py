@@ -47,7 +47,18 @@ def _options(
         typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
     ] = False,
 ) -> None:
-    """Options before the command (``--version``)."""
+    """Options before the command (``--version``); a bad ``FUSION_*`` run default stops every command.
+
+    The run context's defaults from the environment are checked when its module loads:
+    an invalid one is one line naming the variable (exit 2), not a traceback.
+    """
+    from fusion_graph.cli.common import fail
+    from fusion_graph.errors import ContextError
+
+    try:
+        import fusion_graph.context  # noqa: F401 - loading it checks the environment's defaults
+    except ContextError as error:
+        raise fail(str(error)) from None
 
 
 app.command()(run)

@@ -113,3 +113,25 @@ def test_the_cli_default_pace_is_the_calibrations() -> None:
     from fusion_graph.replay import calibration
 
     assert calibrate.CALIBRATED_PACE_SLACK == calibration.CALIBRATED_PACE_SLACK
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [("FUSION_CLOUD_SHARE", "abc", "valid integer"), ("FUSION_MAX_STEPS", "0", "between 1 and 1000")],
+)
+@pytest.mark.parametrize("command", [["replay"], ["run", "hi"], ["report"], ["doctor"]])
+def test_a_bad_run_default_in_the_environment_is_one_line_naming_it(
+    variable: str, value: str, says: str, command: list[str], tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {variable: value}
+    done = subprocess.run(
+        [sys.executable, "-m", "fusion_graph", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and variable in lines[0] and says in lines[0] and "Traceback" not in done.stderr
