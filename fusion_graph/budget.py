@@ -94,6 +94,43 @@ def over_budget(budget: CloudBudget, spend: CloudSpend, step_usd: float | None) 
     return None
 
 
+#: Fewest completion tokens a cloud inference is priced at, whatever the thread's steps spent.
+COMPLETION_FLOOR = 256
+#: How many of the thread's latest answered inferences the expected completion is the mean of.
+RECENT_COMPLETIONS = 8
+
+
+def expected_completion(route_log: Sequence[RouteRecord], *, ceiling: int) -> int:
+    """What the next inference will likely write: the mean of the thread's recent completions.
+
+    At least ``COMPLETION_FLOOR``, at most ``ceiling`` (the completion budget):
+    pricing every step at its whole budget made a budget bite several times
+    harder than its face value; the call itself is capped at what the budget
+    can still pay (``BudgetCheck.max_tokens``), so nothing is spent past it.
+    """
+    done = [
+        int(record["completion_tokens"])
+        for record in route_log[-4 * RECENT_COMPLETIONS :]
+        if record["completion_tokens"]
+    ][-RECENT_COMPLETIONS:]
+    typical = -(-sum(done) // len(done)) if done else COMPLETION_FLOOR
+    return max(1, min(ceiling, max(COMPLETION_FLOOR, typical)))
+
+
+@dataclass(frozen=True)
+class StepPrice:
+    """What a cloud inference would cost: its prompt (cached input at its rate), and each output token."""
+
+    prompt_usd: float | None
+    token_usd: float | None
+
+    def cost(self, completion: int) -> float | None:
+        """The inference's cost with ``completion`` output tokens (``None``: a price is unknown)."""
+        if self.prompt_usd is None or self.token_usd is None:
+            return None
+        return self.prompt_usd + completion * self.token_usd
+
+
 @dataclass(frozen=True)
 class BudgetCheck:
     """What the cloud budget says of one inference before it is made.
@@ -102,11 +139,14 @@ class BudgetCheck:
         limited: Whether a budget applies at all (none set: nothing is priced).
         step_usd: The inference's estimated cost on cloud (``None``: unknown, or not priced).
         over: Why cloud may not make it (``None``: it may).
+        max_tokens: The completion cap that keeps the call within what the budget can still pay
+            (``None``: no cap from the budget).
     """
 
     limited: bool = False
     step_usd: float | None = None
     over: str | None = None
+    max_tokens: int | None = None
 
     def guard(self, decision: RouteDecision) -> RouteDecision:
         """``decision`` moved local when it chose cloud and cloud is over (reason and ``budget`` say why)."""
@@ -116,10 +156,13 @@ class BudgetCheck:
         return replace(decision, leg="local", reason=reason, budget=self.over)
 
     def extra(self) -> dict[str, Any]:
-        """What a record keeps of the check: the step's cloud price and, when over, why."""
+        """What a record keeps of the check: the step's cloud price, the cap and, when over, why."""
         if not self.limited:
             return {}
-        return {"cloud_step_usd": self.step_usd} | ({"cloud_budget": self.over} if self.over else {})
+        kept: dict[str, Any] = {"cloud_step_usd": self.step_usd}
+        if self.max_tokens is not None:
+            kept["cloud_max_tokens"] = self.max_tokens
+        return kept | ({"cloud_budget": self.over} if self.over else {})
 
 
 #: No budget set: nothing priced, nothing refused.
@@ -127,14 +170,35 @@ UNLIMITED = BudgetCheck()
 
 
 def check_budget(
-    budget: CloudBudget, route_log: Sequence[RouteRecord], turn: int, step_usd: float | None
+    budget: CloudBudget,
+    route_log: Sequence[RouteRecord],
+    turn: int,
+    price: StepPrice,
+    *,
+    expected: int,
+    ceiling: int,
 ) -> BudgetCheck:
-    """The one budget guard: may an inference of ``turn`` estimated at ``step_usd`` run on cloud?
+    """The one budget guard: may an inference of ``turn`` run on cloud, and how long may it write?
 
+    It is priced at its prompt plus ``expected`` completion tokens
+    (``expected_completion``) against both spends; when that fits, the call's
+    completion is capped at what the tighter budget still pays (at most
+    ``ceiling``), so a budget spends up to its face value and never past it.
     The route, plan, repair, re-synthesis, MCP sampling and replay all ask it;
     ``BudgetCheck.guard`` then moves a cloud decision local, and the executors
     keep the chain's fallover off cloud past it.
     """
     if not budget.limited:
         return UNLIMITED
-    return BudgetCheck(True, step_usd, over_budget(budget, cloud_spend(route_log, turn), step_usd))
+    spend = cloud_spend(route_log, turn)
+    step_usd = price.cost(expected)
+    over = over_budget(budget, spend, step_usd)
+    if over is not None or price.prompt_usd is None or not price.token_usd:
+        return BudgetCheck(True, step_usd, over)
+    left = min(
+        limit - spent
+        for limit, spent in ((budget.turn_usd, spend.turn_usd), (budget.thread_usd, spend.thread_usd))
+        if limit is not None
+    )
+    affordable = int((left - price.prompt_usd) / price.token_usd)
+    return BudgetCheck(True, step_usd, None, max(expected, min(ceiling, affordable)))

@@ -137,7 +137,7 @@ class InferenceNodes:
             for retry in (False, True):
                 if prepared.compaction is not None:
                     _stream_compaction(runtime, (turn, step, kind), decision.leg, prepared)
-                bounds = self.sizer.bounds(chain, prepared, context)
+                bounds = self.sizer.bounds(chain, prepared, context, check)
                 if check.over is not None:
                     allowed = bounds.allowed if bounds.allowed is not None else {x.id for x in chain.links}
                     local = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")

@@ -21,7 +21,7 @@ import httpx
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.tools import BaseTool
 
-from fusion_graph.budget import UNLIMITED, BudgetCheck, check_budget
+from fusion_graph.budget import UNLIMITED, BudgetCheck, StepPrice, check_budget, expected_completion
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import ChainExhausted, ContextError
 from fusion_graph.providers.ask import Bounds
@@ -273,18 +273,17 @@ class Sizer:
         own = getattr(link.model, "max_tokens", None)
         return min(budget, own) if isinstance(own, int) and own > 0 else budget
 
-    def cloud_cost(
+    def cloud_price(
         self,
         chain: ProviderChain,
         sizes: StepSizes,
         anchors: Mapping[str, PromptAnchor],
-        context: FusionContext,
-    ) -> float | None:
-        """The step's estimated cost on the chain's first cloud link (``None``: no cloud link, or no price).
+    ) -> StepPrice | None:
+        """The step's price on the chain's first cloud link (``None``: no cloud link or estimate).
 
-        Its estimated prompt and its whole completion budget, at that link's prices;
-        the prompt its cloud provider last reported for this thread counts as cached
-        input (the thread's cloud prefix is warm), at most the estimate.
+        Its estimated prompt, with the prompt its cloud provider last reported for
+        this thread counted as cached input (the thread's cloud prefix is warm), at
+        most the estimate; and the link's price of one completion token.
         """
         link = next((x for x in chain.links if x.leg == "cloud"), None)
         estimate = sizes.estimates.get("cloud")
@@ -292,7 +291,9 @@ class Sizer:
             return None
         anchor = anchors.get("cloud")
         cached = min(anchor["prompt_tokens"], estimate.tokens) if anchor is not None else 0
-        return price(link.pricing, estimate.tokens, cached, self.budget_of(link, sizes, context))
+        per_million = price(link.pricing, 0, 0, 1_000_000)
+        token = per_million / 1_000_000 if per_million is not None else None
+        return StepPrice(price(link.pricing, estimate.tokens, cached, 0), token)
 
     def check_budget(
         self,
@@ -303,20 +304,40 @@ class Sizer:
         turn: int,
         context: FusionContext,
     ) -> BudgetCheck:
-        """The budget guard (``budget.check_budget``) for this step, priced by ``cloud_cost``."""
+        """The budget guard (``budget.check_budget``) for this step, priced by ``cloud_price``.
+
+        The step is priced at what the thread's inferences write (``expected_completion``),
+        and a cloud call's completion is capped at what the budget can still pay.
+        """
         budget = self.resolver.cloud_budget(context)
         if not budget.limited:
             return UNLIMITED
-        return check_budget(budget, route_log, turn, self.cloud_cost(chain, sizes, anchors, context))
+        link = next((x for x in chain.links if x.leg == "cloud"), None)
+        step = self.cloud_price(chain, sizes, anchors)
+        if link is None or step is None:
+            return check_budget(budget, route_log, turn, StepPrice(None, None), expected=1, ceiling=1)
+        ceiling = self.budget_of(link, sizes, context)
+        expected = expected_completion(route_log, ceiling=ceiling)
+        return check_budget(budget, route_log, turn, step, expected=expected, ceiling=ceiling)
 
-    def bounds(self, chain: ProviderChain, prepared: Prepared, context: FusionContext) -> Bounds:
-        """What bounds each attempt of the prepared step: links, windows, budgets, time."""
+    def bounds(
+        self, chain: ProviderChain, prepared: Prepared, context: FusionContext, check: BudgetCheck = UNLIMITED
+    ) -> Bounds:
+        """What bounds each attempt of the prepared step: links, windows, budgets, time.
+
+        A cloud link's completion budget is capped by the cloud budget's ``check``.
+        """
         sizes = prepared.sizes
+        max_tokens = {link.id: self.budget_of(link, sizes, context) for link in chain.links}
+        if check.max_tokens is not None:
+            for link in chain.links:
+                if link.leg == "cloud":
+                    max_tokens[link.id] = min(max_tokens[link.id], check.max_tokens)
         return Bounds(
             allowed=frozenset(prepared.plan.allowed),
             windows=sizes.windows,
             estimates=sizes.estimates,
-            max_tokens={link.id: self.budget_of(link, sizes, context) for link in chain.links},
+            max_tokens=max_tokens,
             timeout_s=self.resolver.settings.request_timeout,
         )
 

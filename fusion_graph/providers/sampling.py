@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langgraph.constants import TAG_NOSTREAM
 
-from fusion_graph.budget import UNLIMITED, BudgetCheck, check_budget
+from fusion_graph.budget import UNLIMITED, BudgetCheck, StepPrice, check_budget, expected_completion
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import ProviderRequestError
 from fusion_graph.providers.ask import Ask, Bounds, ask
@@ -381,7 +381,7 @@ class SamplingCallback:
     ) -> BudgetCheck:
         """The budget guard for this request under the run's cloud budget.
 
-        Priced like a step: the prompt's estimate and the whole ``max_tokens`` at the
+        Priced like a step: the prompt's estimate and what the thread's inferences write, at the
         first cloud link's prices, against the thread's spend (its route log and the
         samples of this tool call). Outside a run, nothing has been spent.
         """
@@ -389,9 +389,15 @@ class SamplingCallback:
         cloud = next((link for link in chain.links if link.leg == "cloud"), None)
         if not budget.limited or cloud is None:
             return UNLIMITED
-        estimate = price(cloud.pricing, approximate_tokens(list(prompt)), 0, max_tokens)
+        per_million = price(cloud.pricing, 0, 0, 1_000_000)
+        step = StepPrice(
+            price(cloud.pricing, approximate_tokens(list(prompt)), 0, 0),
+            per_million / 1_000_000 if per_million is not None else None,
+        )
         log = [*scope.route_log, *scope.records] if scope is not None else []
-        return check_budget(budget, log, scope.turn if scope is not None else 0, estimate)
+        expected = expected_completion(log, ceiling=max_tokens)
+        turn = scope.turn if scope is not None else 0
+        return check_budget(budget, log, turn, step, expected=expected, ceiling=max_tokens)
 
     def _keep(self, record: RouteRecord, scope: SamplingScope | None) -> None:
         self.records.append(record)

@@ -15,7 +15,7 @@ from typing import cast
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
 from langchain_core.tools import BaseTool
 
-from fusion_graph.budget import check_budget, cloud_budget
+from fusion_graph.budget import StepPrice, check_budget, cloud_budget, expected_completion
 from fusion_graph.context import FusionContext
 from fusion_graph.records import RouteRecord, StepKind, make_record
 from fusion_graph.routing import Leg, RouteDecision, StepSignals
@@ -41,6 +41,14 @@ class ReplayedStep:
     def leg(self) -> Leg:
         """The leg the step was routed to."""
         return self.decision.leg
+
+
+def step_price(cloud_cost: Callable[[int, int], float | None], prompt_tokens: int) -> StepPrice:
+    """A step's cloud price from ``route_history``'s ``cloud_cost(prompt, completion)``."""
+    prompt_usd = cloud_cost(prompt_tokens, 0)
+    million = cloud_cost(prompt_tokens, 1_000_000)
+    token_usd = (million - prompt_usd) / 1_000_000 if million is not None and prompt_usd is not None else None
+    return StepPrice(prompt_usd, token_usd)
 
 
 def split_system(messages: Sequence[BaseMessage]) -> tuple[str, list[BaseMessage]]:
@@ -126,11 +134,23 @@ def route_history(
             state, context, count_tokens, plan=step == 0, budget=budget, tools=tools
         )
         cost: float | None = None
+        written = count_tokens([message])
+        cap: int | None = None
         if cloud_cost is not None and limit.limited and decision.leg == "cloud":
-            estimate = cloud_cost(signals.prompt_tokens, context.max_completion_tokens)
-            decision = check_budget(limit, route_log, turn, estimate).guard(decision)
+            ceiling = context.max_completion_tokens
+            check = check_budget(
+                limit,
+                route_log,
+                turn,
+                step_price(cloud_cost, signals.prompt_tokens),
+                expected=expected_completion(route_log, ceiling=ceiling),
+                ceiling=ceiling,
+            )
+            decision, cap = check.guard(decision), check.max_tokens
         if cloud_cost is not None and decision.leg == "cloud":
-            cost = cloud_cost(signals.prompt_tokens, count_tokens([message]))
+            # A call capped by the budget writes no more than the cap: the trace's answer is cut there.
+            written = min(written, cap) if cap is not None else written
+            cost = cloud_cost(signals.prompt_tokens, written)
         leg, latch = decision.leg, decision.latch
         kind: StepKind = "plan" if step == 0 else "step"
         record = make_record(
@@ -144,6 +164,7 @@ def route_history(
             answer=None,
         )
         record["cost_usd"] = cost
+        record["completion_tokens"] = written  # what the recorded answer wrote: the next steps' expectation
         route_log.append(record)
         if context.pace_slack is not None:
             tally = step_tally(route_log, tally)

@@ -10,7 +10,17 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import ChainExhausted, FusionContext, FusionSettings, build_graph
-from fusion_graph.budget import CloudBudget, CloudSpend, cloud_budget, cloud_spend, over_budget
+from fusion_graph.budget import (
+    COMPLETION_FLOOR,
+    CloudBudget,
+    CloudSpend,
+    StepPrice,
+    check_budget,
+    cloud_budget,
+    cloud_spend,
+    expected_completion,
+    over_budget,
+)
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.records import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
@@ -168,3 +178,50 @@ async def test_the_operators_ceiling_binds_a_run_that_asks_for_more() -> None:
         graph = graph_over(cloud, local, thread_cloud_budget_usd=0.0)
         state = await run(graph, "hi", "ainvoke", FusionContext(thread_cloud_budget_usd=100.0))
     assert state["route_log"][0]["leg"] == "local" and "thread budget $0.0" in state["route_log"][0]["reason"]
+
+
+# --------------------------------------------------------------------------- priced by what steps spend
+
+
+def answered(completion: int | None) -> RouteRecord:
+    made = record(0, "cloud", 0.0)
+    made["completion_tokens"] = completion
+    return made
+
+
+def test_a_step_is_priced_at_what_the_threads_inferences_write_within_floor_and_budget() -> None:
+    assert expected_completion([], ceiling=4096) == COMPLETION_FLOOR  # nothing written yet: the floor
+    log = [answered(n) for n in (900, 1100, None, 1000)]
+    assert expected_completion(log, ceiling=4096) == 1000  # the mean of what was written
+    assert expected_completion(log, ceiling=600) == 600  # never past the completion budget
+    assert expected_completion([answered(10), answered(20)], ceiling=4096) == COMPLETION_FLOOR
+
+
+def test_the_call_is_capped_at_what_the_budget_still_pays_so_it_never_spends_past_it() -> None:
+    budget = CloudBudget(thread_usd=0.05)
+    step = StepPrice(prompt_usd=0.01, token_usd=0.00001)  # $10 per million output tokens
+    spent = [record(0, "cloud", 0.02)]
+    check = check_budget(budget, spent, 0, step, expected=500, ceiling=4096)
+    assert check.over is None and check.step_usd == pytest.approx(0.015)
+    assert check.max_tokens == 2000  # (0.05 - 0.02 - 0.01) / 0.00001
+    assert 0.02 + (step.cost(check.max_tokens) or 0) <= 0.05 + 1e-12
+    roomy = check_budget(budget, [], 0, step, expected=500, ceiling=1024)
+    assert roomy.max_tokens == 1024  # the completion budget binds first
+    tight = check_budget(budget, [record(0, "cloud", 0.036)], 0, step, expected=500, ceiling=4096)
+    assert tight.over is not None and tight.max_tokens is None  # not even the expected answer fits
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_a_capped_cloud_call_asks_for_no_more_than_the_budget_pays(how: str) -> None:
+    with (
+        FakeOpenAI([Reply(content="cloud answer", prompt_tokens=100)]) as cloud,
+        FakeOpenAI([Reply(content="local")]) as local,
+    ):
+        graph = graph_over(cloud, local, thread_cloud_budget_usd=0.01)
+        state = await run(graph, "plan it", how, FusionContext(sub_runners="off", max_completion_tokens=4096))
+    [plan] = state["route_log"]
+    body = cloud.requests[0]
+    sent = int(body.get("max_completion_tokens") or body["max_tokens"])
+    assert plan["leg"] == "cloud" and plan["extra"]["cloud_max_tokens"] == sent < 4096
+    # What the call may write at most, with its prompt, stays within the budget ($10/M both ways).
+    assert (plan["extra"]["estimated_prompt_tokens"] + sent) * 10 / 1_000_000 <= 0.01
