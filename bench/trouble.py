@@ -198,9 +198,8 @@ def render(report: dict[str, Any], console: Console) -> None:
     """The report as rich tables."""
     seps = report["separation"]
     if seps is not None and seps["off"] is not None and seps["on"] is not None:
-        table = Table(
-            title=f"failed ({seps['on']['failed']}) vs successful ({seps['on']['successful']}) tasks: rank AUC"
-        )
+        counts = f"failed ({seps['on']['failed']}) vs successful ({seps['on']['successful']})"
+        table = Table(title=f"{counts} tasks: rank AUC")
         for column in ("feature", "AUC off", "p off", "AUC on", "p on", "failed / successful mean, on"):
             table.add_column(column, justify="left" if column == "feature" else "right")
         for name, on in seps["on"]["features"].items():

@@ -210,6 +210,13 @@ class FusionContext:
         "USD the thread may spend on cloud over all its turns; once spent, plans run local too. May "
         "only lower the operator's FUSION_THREAD_CLOUD_BUDGET_USD. Empty: the operator's.",
     )
+    shadow_share: Annotated[float, *between(0, 1)] = _field(
+        "shadow_share",
+        0.0,
+        "Share (0-1) of local steps the cloud leg is also asked, beside the step and never delaying "
+        "it (the local answer is used as always), within the cloud budget; a 'shadow' record says "
+        "whether both took the same action, so `fusion-graph report` shows agreement by score band.",
+    )
     resynthesize: Literal["off", "local_replies"] = _field(
         "resynthesize",
         "off",

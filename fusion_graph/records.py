@@ -21,11 +21,11 @@ from fusion_graph.routing import Leg, RouteDecision, StepSignals
 if TYPE_CHECKING:
     from langchain_core.messages import AIMessage
 
-StepKind = Literal["plan", "step", "repair", "memory", "synthesis", "sampling"]
+StepKind = Literal["plan", "step", "repair", "memory", "synthesis", "sampling", "shadow"]
 
-#: Inferences beside the turn's steps (memory jobs, a reply's re-write, MCP samples): not routed
-#: by the score, so step counts and the share of steps on cloud leave them out.
-SIDE_KINDS: frozenset[str] = frozenset({"memory", "synthesis", "sampling"})
+#: Inferences beside the turn's steps (memory jobs, a reply's re-write, MCP samples, shadow checks):
+#: not routed by the score, so step counts and the share of steps on cloud leave them out.
+SIDE_KINDS: frozenset[str] = frozenset({"memory", "synthesis", "sampling", "shadow"})
 
 ErrorClass = Literal[
     "rate_limited",

@@ -4,6 +4,11 @@ Everything here is a pure function over plain data, so the graph, the replay
 benchmark and calibration all call the exact same code and any decision can be
 reproduced without a model.
 
+With ``FusionContext.trouble_signals`` the same score gains two terms measured
+by ``fusion_graph.trouble`` (``TroubleSignals`` in, ``TroubleScore`` out), and
+the decision goes through the escalation latch (``Latch``, ``latch_rule``):
+off, both are absent and every score and decision is the four-term rule's.
+
 The score deliberately has **no prompt-cache input**. How many prompt tokens a
 step reused from llama-server's KV cache (``cached_tokens``) is only known
 *after* that step's call returns, so feeding it into the step's own route would

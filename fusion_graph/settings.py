@@ -36,6 +36,7 @@ def dotenv_value(name: str, path: str = ".env") -> str | None:
     value = dotenv_values(path).get(name)
     return value or None
 
+
 Price = Annotated[float, AfterValidator(price)]
 
 

@@ -74,7 +74,7 @@ ROUTING_HEADER = "x-fusion-thread"
 #: Threads replayed at once unless ``--threads`` says otherwise.
 DEFAULT_THREADS = (8,)
 #: Seconds one local request may take (the longest prefill here takes seconds) before the run fails.
-REQUEST_TIMEOUT_S = float(os.environ.get("KV_REQUEST_TIMEOUT_S", "300"))
+REQUEST_TIMEOUT_S = 300.0
 #: Requests over their minimum listed in the results (``excess_detail``), at most.
 EXCESS_DETAIL = 20
 #: ``manual_min_group`` processes at most this many times the minimum.
@@ -429,8 +429,10 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def box_server(setup: ServerSetup, n_slots: int, ctx_size: int, name: str) -> LlamaServer:
-    """A box (not yet started): the tiny model, ``--alias local``, its log ``logs/name.log``."""
+def box_server(
+    setup: ServerSetup, n_slots: int, ctx_size: int, name: str, extra_args: Sequence[str] = ()
+) -> LlamaServer:
+    """A box (not yet started): the tiny model, ``--alias local``, ``extra_args``; log ``logs/name.log``."""
     from fusion_graph_testing import LlamaServer
 
     return LlamaServer(
@@ -438,7 +440,7 @@ def box_server(setup: ServerSetup, n_slots: int, ctx_size: int, name: str) -> Ll
         n_slots=n_slots,
         ctx_size=ctx_size,
         jinja=True,
-        extra_args=["--chat-template-file", str(setup.template), "--alias", MODEL_ALIAS],
+        extra_args=["--chat-template-file", str(setup.template), "--alias", MODEL_ALIAS, *extra_args],
         log_path=setup.logs / f"{name}.log",
     )
 

@@ -2,9 +2,9 @@
 
 A deployment runs N worker processes, and a LangGraph server hands each run of
 a thread to whichever one is free. Each worker here is a real process
-(``python -m bench.kv.workers --serve PORT``, JSON lines over a loopback socket)
-with its own ``ProviderResolver`` built from its ``FUSION_*`` environment, so
-its own placer (``resolver.placement``). The coordinator replays ``--threads``
+(``bench.kv.placement_worker``: JSON lines over a loopback socket) with its own
+``ProviderResolver`` built from its ``FUSION_*`` environment, so its own placer
+(``resolver.placement``). The coordinator replays ``--threads``
 SWE-agent threads at once (``gateway.gateway_threads``, routed with
 ``route_trajectory``; cloud steps only count) and sends each thread's local
 steps in order, in runs of ``--steps-per-run``: thread i's run k goes to worker
@@ -30,6 +30,10 @@ shared, a fresh database):
   box's reserved reflection slot: ``-np 9`` on 1 box, ``-np 5`` per box on 2)
   or ``spare`` (twice as many), ``spare`` only at ``--spare-at`` workers.
 
+Every box runs ``--cache-ram 0`` (``--cache-ram``): with llama-server's default
+host prompt cache, a request pinned to a slot that is still prefilling another
+thread's request hangs that slot (see ``CACHE_RAM_MIB``).
+
 Per variant: processed / physical minimum (the one-box benchmark's minimum:
 per thread, the tokens new since its previous local request), slot collisions
 (a request on a (box, slot) whose previous request was another thread's),
@@ -46,7 +50,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -54,7 +57,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from bench.kv.gateway import (
     GATEWAY_VARIANTS,
@@ -68,15 +71,14 @@ from bench.kv.gateway import (
     summarize_gateway,
     swe_trajectories,
 )
+from bench.kv.placement_worker import PlacementWorker
 from bench.kv.plan import ThreadPlan
 from bench.kv.report import TIMING_NOTE
 from bench.kv.results import StepRecord
 from bench.kv.server import MAX_TOKENS, MODEL_N_CTX, TEMPLATE, ServerSetup, prepare_server
-from bench.traces import REPO_ROOT, explained, trace_files
+from bench.traces import explained, trace_files
 from fusion_graph.context import DEFAULTS
 from fusion_graph.providers.slots import box_name
-from fusion_graph_testing.llama_server import HOST, free_port
-from fusion_graph_testing.process import ManagedProcess
 
 if TYPE_CHECKING:
     from fusion_graph_testing import LlamaServer
@@ -100,10 +102,11 @@ THREADS = 8
 STEPS_PER_RUN = 5
 #: ``--quick``: each thread's first local steps only (runs of ``STEPS_PER_RUN``, then a shorter one).
 QUICK_LOCAL_STEPS = 7
-#: Seconds a worker may take to build its resolver and listen.
-WORKER_START_TIMEOUT_S = 120.0
-#: Longest JSON line a worker or the coordinator reads (a request carries its whole conversation).
-LINE_LIMIT = 64 * 1024 * 1024
+#: Each box's ``--cache-ram`` (MiB) unless ``--cache-ram`` says otherwise: 0, off. With llama-server's
+#: own default (8192) a request pinned to a slot that is still prefilling another thread's request
+#: makes the server load a cached prompt into that busy slot, which then never finishes (100 % CPU);
+#: in-process placement over several workers sends such requests. See bench/README.md.
+CACHE_RAM_MIB = 0
 #: Requests over their minimum listed in the results (``excess_detail``), at most.
 EXCESS_DETAIL = 20
 #: The expectation checked (not asserted): shared placement processes at most this many times the minimum.
@@ -141,6 +144,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N,N",
         help="with --workers: worker counts also run with spare slots, twice as many as threads "
         f"(default {','.join(map(str, DEFAULT_SPARE_AT))}; '' for none)",
+    )
+    parser.add_argument(
+        "--cache-ram",
+        type=int,
+        default=CACHE_RAM_MIB,
+        metavar="MIB",
+        help=f"with --workers: each box's --cache-ram (default {CACHE_RAM_MIB}: off; llama-server's own "
+        "default 8192 can hang a slot two threads' requests meet on, see bench/README.md)",
     )
     parser.add_argument(
         "--steps-per-run",
@@ -344,151 +355,6 @@ def summarize_workers(steps: Sequence[PlacedStep], boxes: int) -> dict[str, Any]
     return leaf
 
 
-# -- the worker process ------------------------------------------------------------------
-
-
-async def _serve(port: int) -> None:
-    """Place and send the steps the coordinator sends, one JSON line a request and one a reply."""
-    import httpx
-
-    from fusion_graph.context import FusionContext
-    from fusion_graph.providers.resolver import ProviderResolver
-    from fusion_graph_testing import served_by
-
-    resolver = ProviderResolver()  # the operator settings from this process's FUSION_* environment
-    chain = await resolver.chain(FusionContext(mode="local"))
-    link = next(link for link in chain.links if link.leg == "local")
-    base_url = link.as_provider().base_url or resolver.settings.local_base_url
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
-
-        async def step(request: Mapping[str, Any]) -> dict[str, Any]:
-            thread = str(request["thread"])
-            placement = await resolver.placement.place(link, thread)
-            url = f"{placement.box}/v1" if placement.box else base_url
-            body = {
-                "model": resolver.settings.local_model,
-                "messages": request["messages"],
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                **(placement.body("local") or {}),
-            }
-            try:
-                response = await client.post(
-                    f"{url}/chat/completions", json=body, headers=dict(placement.headers or {})
-                )
-            except httpx.TimeoutException as error:
-                raise RuntimeError(
-                    f"no answer from {url} within {REQUEST_TIMEOUT_S:.0f} s (slot {placement.slot}, "
-                    f"{type(error).__name__}); a stuck llama-server?"
-                ) from error
-            finished = time.time()
-            if response.status_code != 200:
-                raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
-            gateway_box = served_by(response.headers)
-            moved_from = None
-            if gateway_box is not None:
-                moved_from = await resolver.placement.served(link, thread, gateway_box)
-            timings = response.json()["timings"]
-            return {
-                "prompt_n": int(timings["prompt_n"]),
-                "cache_n": int(timings["cache_n"]),
-                "prompt_ms": float(timings["prompt_ms"]),
-                "slot": placement.slot,
-                "box": box_name(gateway_box or placement.box or url),
-                "moved_from": moved_from,
-                "notes": dict(placement.notes),
-                "finished": finished,
-            }
-
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                request = json.loads(await reader.readline())
-                reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
-                if request.get("op") == "step":
-                    reply.update(await step(request))
-            except Exception as error:  # noqa: BLE001 - the coordinator gets the error as its reply
-                reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-            writer.write(json.dumps(reply, default=str).encode() + b"\n")
-            await writer.drain()
-            writer.close()
-
-        server = await asyncio.start_server(handle, HOST, port, limit=LINE_LIMIT)
-        print(
-            f"placement worker {os.getpid()} on {HOST}:{port}: {type(resolver.placement).__name__}",
-            flush=True,
-        )
-        try:
-            async with server:
-                await server.serve_forever()
-        finally:
-            await resolver.aclose()
-
-
-class PlacementWorker(ManagedProcess):
-    """One worker process (``python -m bench.kv.workers --serve PORT``), stopped by its own PID."""
-
-    def __init__(self, env: Mapping[str, str], *, log_path: Path) -> None:
-        """A worker whose resolver reads its operator settings from ``env`` (``FUSION_*``)."""
-        self.env = dict(env)
-        self.log_path = log_path
-        self.port = 0
-
-    def args(self) -> list[str]:
-        """The worker's command line."""
-        return [sys.executable, "-m", "bench.kv.workers", "--serve", str(self.port)]
-
-    def launch_env(self) -> Mapping[str, str]:
-        """This environment less its ``FUSION_*``, plus the worker's own; the checkout importable."""
-        base = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")}
-        path = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH", "")) if p)
-        return {**base, **self.env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
-
-    def launch_cwd(self) -> Path:
-        """The log's folder: no ``.env`` of the checkout is read."""
-        return self.log_path.parent
-
-    def start(self) -> Self:
-        """Launch on a free port and wait until it answers a ping."""
-        self.port = free_port()
-        self._launch()
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if not self.running:
-                raise RuntimeError(self._failure("the placement worker exited while starting"))
-            try:
-                with socket.create_connection((HOST, self.port), timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(
-            self._failure(f"the placement worker did not listen within {WORKER_START_TIMEOUT_S:g} s")
-        )
-
-    async def step(self, thread: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Place and send one local step of ``thread``; the reply has timings, slot and box."""
-        reader, writer = await asyncio.open_connection(HOST, self.port, limit=LINE_LIMIT)
-        try:
-            payload = {"op": "step", "thread": thread, "messages": list(messages)}
-            writer.write(json.dumps(payload).encode() + b"\n")
-            await writer.drain()
-            try:
-                line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT_S + 30)
-            except TimeoutError:
-                raise RuntimeError(
-                    f"worker on port {self.port}: no answer for {thread} within "
-                    f"{REQUEST_TIMEOUT_S + 30:.0f} s"
-                ) from None
-        finally:
-            writer.close()
-        if not line:
-            raise RuntimeError(self._failure("the placement worker closed the connection"))
-        reply: dict[str, Any] = json.loads(line)
-        if not reply.get("ok"):
-            raise RuntimeError(f"worker on port {self.port}, {thread}: {reply.get('error')}")
-        return reply
-
-
 # -- the replay --------------------------------------------------------------------------
 
 
@@ -505,16 +371,15 @@ async def replay_thread(
     trajectory = plan.trajectory
     thread = trajectory.thread_id
     local = sum(1 for step in plan.steps if step.leg == "local")
-    assigned = iter(step_workers(local, thread_index, steps_per_run=steps_per_run, workers=len(workers)))
-    seen = 0
+    assigned = step_workers(local, thread_index, steps_per_run=steps_per_run, workers=len(workers))
+    sent = 0
     for step in plan.steps:
         base = StepRecord(trajectory.file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
         if step.leg == "cloud":
             out.append(PlacedStep(base, thread, step.position))
             continue
-        worker = next(assigned)
-        run = seen // steps_per_run
-        seen += 1
+        worker, run = assigned[sent], sent // steps_per_run
+        sent += 1
         reply = await workers[worker].step(thread, trajectory.messages[: step.position])
         box = box_index.get(box_name(str(reply["box"])))
         if box is None:
@@ -578,13 +443,15 @@ def run_one(
     slot_ctx: int,
     steps_per_run: int,
     cluster: PostgresCluster | None,
+    cache_ram: int = CACHE_RAM_MIB,
 ) -> dict[str, Any]:
     """One variant on fresh boxes, gateway, workers and database; its leaf (``summarize_workers``)."""
     name = variant.name
     np = variant.box_slots(len(plans))
+    box_args = ["--cache-ram", str(cache_ram)]
     with ExitStack() as stack:  # everything started here is stopped on exit, also on failure
         boxes: list[LlamaServer] = [
-            stack.enter_context(box_server(setup, np, slot_ctx * np, f"{name}-box{i}"))
+            stack.enter_context(box_server(setup, np, slot_ctx * np, f"{name}-box{i}", box_args))
             for i in range(variant.boxes)
         ]
         urls = [box.base_url for box in boxes]
@@ -621,7 +488,7 @@ def run_one(
     leaf.update(
         placement=variant.placement,
         workers=variant.workers,
-        boxes_n=variant.boxes,
+        box_count=variant.boxes,
         slots=variant.slots,
         box_slots=np,
         wall_s=round(wall, 2),
@@ -667,6 +534,7 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
                 slot_ctx=planned.slot_ctx,
                 steps_per_run=args.steps_per_run,
                 cluster=cluster,
+                cache_ram=args.cache_ram,
             )
             results[variant.name] = leaf
             _progress(
@@ -695,6 +563,8 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
         "llama_server_version": planned.llama_server_version,
         "model": f"tiny random-weight qwen2 (harness write_tiny_model, qwen2 vocab), n_ctx {MODEL_N_CTX}",
         "chat_template": TEMPLATE,
+        "box_flags": ["--cache-ram", str(args.cache_ram)],
+        "database": "a fresh database per shared variant on one throwaway Postgres cluster",
         "cache_reset": "fresh boxes, gateway, worker processes and database per variant",
         "timing_note": TIMING_NOTE,
         "cpu_count": os.cpu_count(),
@@ -750,7 +620,7 @@ def format_workers_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
         cells = [
             str(leaf.get("placement")),
             str(leaf.get("workers")),
-            f"{leaf.get('boxes_n')} × {leaf.get('box_slots')}",
+            f"{leaf.get('box_count')} × {leaf.get('box_slots')}",
             str(leaf.get("slots")),
             _int(leaf.get("local_steps")),
             _int(leaf.get("processed_tokens")),
@@ -813,11 +683,3 @@ def main(args: argparse.Namespace) -> int:
         args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"JSON written to {args.out}")
     return 0
-
-
-if __name__ == "__main__":  # python -m bench.kv.workers --serve PORT
-    serving = argparse.ArgumentParser(prog="python -m bench.kv.workers")
-    serving.add_argument(
-        "--serve", type=int, required=True, metavar="PORT", help="listen on this loopback port"
-    )
-    asyncio.run(_serve(serving.parse_args().serve))

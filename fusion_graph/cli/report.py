@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from fusion_graph.cli.agreement import agreement, agreement_table
 from fusion_graph.cli.common import (
     PLAN_NOTE,
     CloudShare,
@@ -333,7 +334,9 @@ def report(
     A second table shows each thread's cloud spend against the operator's
     budgets (FUSION_TURN_CLOUD_BUDGET_USD, FUSION_THREAD_CLOUD_BUDGET_USD, when
     set): the thread's spend, its largest turn's, the steps a budget kept local
-    and the re-syntheses of local replies made and skipped.
+    and the re-syntheses of local replies made and skipped. With shadow checks
+    (``shadow_share``), a third shows how often the cloud took the local step's
+    action, by the local steps' score band.
     """
     if not db.is_file():  # before anything is loaded or priced
         raise fail(
@@ -357,6 +360,7 @@ def report(
     total = totals_summary(logs, list(threads.values()), prices, model)
     hint = price_note(settings, model, prices, priced_costs([r for log in logs for r in log], prices, model))
     budget = {"turn_usd": settings.turn_cloud_budget_usd, "thread_usd": settings.thread_cloud_budget_usd}
+    shadow = agreement(record for log in logs for record in log)
     if as_json:
         output = {
             "db": str(db),
@@ -366,11 +370,14 @@ def report(
             "savings_fraction": total["savings_fraction"],
             "price_hint": hint,
             "cloud_budget": budget,
+            "shadow": shadow,
         }
         typer.echo(json.dumps(output, indent=2))
         return
     stdout_console().print(report_table(db, threads, total))
     stdout_console().print(budget_table(threads, total, budget))
+    if shadow["checked"]:
+        stdout_console().print(agreement_table(shadow))
     if hint is not None:
         from rich.text import Text
 

@@ -30,6 +30,7 @@ from fusion_graph.inputs import check_new_turn, thread_id_of
 from fusion_graph.memory.background import inference_running
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.nodes.memory import Recall, TurnStart
+from fusion_graph.nodes.shadow import ShadowChecks, picked
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.providers.resolver import ProviderResolver
@@ -102,6 +103,7 @@ class InferenceNodes:
         self.count_tokens = count_tokens
         self.recall = recall
         self.sizer = sizer or Sizer(resolver, self.tools, count_tokens)
+        self.shadows = ShadowChecks()
 
     async def measure(
         self, state: State, context: FusionContext, known: dict[str, Estimate] | None = None
@@ -133,6 +135,9 @@ class InferenceNodes:
         check = self.sizer.check_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
         decision = check.guard(order.decision)
         prepared = await self.sizer.prepare(chain, decision.leg, messages, anchors, context, sizes=sizes)
+        shadowed = decision.leg == "local" and picked(thread_id, turn, step, context.shadow_share)
+        if shadowed:  # the cloud leg asked beside the step, never waited for
+            shadowed = self._shadow(chain, prepared, check, context, order, thread_id)
         async with inference_running(thread_id):  # a memory job beside this step starts after it
             for retry in (False, True):
                 if prepared.compaction is not None:
@@ -169,20 +174,28 @@ class InferenceNodes:
                     break
                 prepared = await self.sizer.after_overflow(chain, decision.leg, prepared, exhausted, context)
         record, answer = asked.record, asked.answer
+        if shadowed:
+            self.shadows.answered(thread_id, turn, step, answer if record["leg"] == "local" else None)
+        shadows = self.shadows.fold(thread_id)
+        for done in shadows:
+            runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **done})
         if answer is None:
             message = str(exhausted) if exhausted is not None else "no provider answered"
             retry_in = exhausted.retry_in_s if exhausted is not None else None
             return {
-                "route_log": [record],
+                "route_log": [record, *shadows],
                 "stall": {"node": node, "message": message, "retry_in_s": retry_in},
             }, False
         history = prepared.messages
         batch = check_batch(answer, history=history, tools=self.tools_by_name, context=context)
         anchors = prepared.anchors(anchors, record["leg"], record["prompt_tokens"], record["provider"] or "")
+        totals = totals_of(record)
+        for done in shadows:
+            totals = add_totals(totals, totals_of(done))
         update: dict[str, Any] = {
             "messages": [*prepared.changes, batch.answer, *batch.replies],
-            "route_log": [record],
-            "totals": totals_of(record),
+            "route_log": [record, *shadows],
+            "totals": totals,
             "step": step,
             # The leg that answered: after a fallover the turn continues from there.
             "leg": record["leg"],
@@ -196,6 +209,34 @@ class InferenceNodes:
         if batch.repair_error is None:
             update["repair_attempts"] = 0
         return only_changes(state, update), True
+
+    def _shadow(
+        self,
+        chain: Any,
+        prepared: Prepared,
+        check: BudgetCheck,
+        context: FusionContext,
+        order: StepOrder,
+        thread_id: str,
+    ) -> bool:
+        """Start the shadow check of this local step on the cloud leg; ``False`` when none is made."""
+        cloud = next((link for link in chain.links if link.leg == "cloud"), None)
+        if cloud is None:
+            return False
+        return self.shadows.start(
+            thread_id=thread_id,
+            turn=order.turn,
+            step=order.step,
+            score=order.decision.score.score if order.decision.score is not None else None,
+            prompt=build_prompt(context.system_prompt, prepared.messages),
+            tools=self.tools,
+            chain=chain,
+            placer=self.resolver.placement,
+            check=check,
+            context=context,
+            timeout_s=self.resolver.settings.request_timeout,
+            max_tokens=self.sizer.budget_of(cloud, prepared.sizes, context),
+        )
 
     async def plan(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """Step 0: form the plan and pick the first tool batch (cloud whenever cloud_share > 0).

@@ -683,7 +683,7 @@ def test_the_score_with_trouble_stays_on_the_0_100_scale() -> None:
 def latched_run(
     steps: Sequence[tuple[float, float, bool]], *, start: Leg = "local", cloud_share: int = 50
 ) -> list[RouteDecision]:
-    """``decide_leg`` over ``(base points, trouble points, progress event)`` steps, as a turn carries the latch."""
+    """``decide_leg`` over ``(base, trouble, progress)`` steps, carrying the latch as a turn does."""
     leg, since, decisions = start, None, []
     for step, (base, trouble, progress) in enumerate(steps, start=1):
         decision = decide_leg(

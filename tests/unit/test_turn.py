@@ -71,7 +71,7 @@ def failing_turn(*, latch: int | None = None, leg: Leg = "local") -> State:
 
 
 def test_with_trouble_signals_off_the_route_is_the_seed_rule() -> None:
-    decision, signals = next_route(failing_turn(latch=1), FusionContext(cloud_share=50))
+    decision, signals = next_route(failing_turn(latch=1), FusionContext(cloud_share=60))
     assert type(signals) is StepSignals and type(decision.score) is StepScore
     assert decision.latch is None
     assert decision.leg == "local"  # the state's latch is not read
@@ -79,7 +79,7 @@ def test_with_trouble_signals_off_the_route_is_the_seed_rule() -> None:
 
 
 def test_with_trouble_signals_on_a_failing_batch_escalates_and_latches() -> None:
-    context = FusionContext(cloud_share=50, trouble_signals=True)
+    context = FusionContext(cloud_share=60, trouble_signals=True)
     decision, signals = next_route(failing_turn(), context)
     assert isinstance(signals, TroubleSignals)
     assert (signals.error_severity, signals.no_progress, signals.progress, signals.latched) == (
@@ -94,23 +94,51 @@ def test_with_trouble_signals_on_a_failing_batch_escalates_and_latches() -> None
 
 
 def test_the_latch_in_state_is_what_the_next_step_finds() -> None:
-    context = FusionContext(cloud_share=50, trouble_signals=True)
+    context = FusionContext(cloud_share=60, trouble_signals=True)
     decision, signals = next_route(failing_turn(latch=2, leg="cloud"), context)
     assert isinstance(signals, TroubleSignals) and signals.latched == 2 and signals.held
     assert (decision.leg, decision.latch) == ("cloud", 2)
 
 
 def test_plans_never_carry_trouble_signals() -> None:
-    context = FusionContext(cloud_share=50, trouble_signals=True)
+    context = FusionContext(cloud_share=60, trouble_signals=True)
     decision, signals = next_route(failing_turn(latch=2), context, plan=True)
     assert type(signals) is StepSignals and decision.latch is None
 
 
 @pytest.mark.parametrize("trouble_signals", [False, True])
 def test_a_pending_route_reads_back_as_the_decision_it_was(trouble_signals: bool) -> None:
-    context = FusionContext(cloud_share=50, trouble_signals=trouble_signals)
+    context = FusionContext(cloud_share=60, trouble_signals=trouble_signals)
     decision, signals = next_route(failing_turn(), context)
     back, back_signals = from_pending(to_pending(2, decision, signals))
     assert back_signals == signals and type(back_signals) is type(signals)
     assert back.score == decision.score and type(back.score) is type(decision.score)
     assert (back.leg, back.threshold, back.reason) == (decision.leg, decision.threshold, decision.reason)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        pytest.param("value of a", id="a-success-after-the-errors"),
+        pytest.param("============ 4 passed in 0.12s ============", id="a-passing-test-run"),
+    ],
+)
+def test_a_progress_event_in_the_turn_releases_the_latch(result: str) -> None:
+    state = failing_turn(latch=2, leg="cloud")
+    call = {"name": "bash", "args": {"command": "pytest"}, "id": "t", "type": "tool_call"}
+    state["messages"] = [
+        *state["messages"],
+        AIMessage("", tool_calls=[call]),
+        ToolMessage(result, tool_call_id="t"),
+    ]
+    state["step"] = 2
+    context = FusionContext(cloud_share=60, trouble_signals=True)
+    decision, signals = next_route(state, context)
+    assert isinstance(signals, TroubleSignals) and signals.progress and not signals.held
+    assert decision.latch is None
+    assert "progress event: latch from step 2 released" in decision.reason
+    # Without the event the same turn stays latched.
+    held = failing_turn(latch=2, leg="cloud")
+    failed = ToolMessage("Error: still failing", tool_call_id="t", status="error")
+    held["messages"] = [*held["messages"], AIMessage("", tool_calls=[call]), failed]
+    assert next_route(held, context)[0].latch == 2

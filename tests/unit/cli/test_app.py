@@ -18,6 +18,7 @@ CLI = Path(__file__).resolve().parents[3] / "fusion_graph" / "cli"
 #: Command modules that import only the standard library, typer, rich and each other at import time,
 #: so ``--help`` does not load LangGraph, LangChain or the provider SDKs.
 LAZY_MODULES = (
+    "agreement.py",
     "app.py",
     "calibrate.py",
     "checks.py",

@@ -1,0 +1,169 @@
+"""Shadow checks: the cloud leg asked beside a share of local steps, to see whether it would act alike.
+
+With ``shadow_share`` set, a local step picked by a stable hash of (thread,
+turn, step) also sends its prompt to the cloud leg, at the same time as the
+local call and without waiting for it: the local answer is used as always.
+When both have answered, a ``kind="shadow"`` record (priced, counted in the
+cloud budget) says whether the two take the same action (the same tool calls
+with equal arguments, or both a reply), what the cloud would have done and
+what it cost. A shadow still running when its step is recorded is folded into
+the thread's ``route_log`` by a later step of the thread in this process.
+Over the cloud budget, no shadow call is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.tools import BaseTool
+from langgraph.constants import TAG_NOSTREAM
+
+from fusion_graph.budget import BudgetCheck
+from fusion_graph.context import FusionContext
+from fusion_graph.providers.ask import Ask, Asked, Bounds, ask
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.placement import Placer
+from fusion_graph.records import RouteRecord
+from fusion_graph.redact import scrub
+from fusion_graph.routing import Leg, RouteDecision
+
+logger = logging.getLogger(__name__)
+
+
+def picked(thread_id: str, turn: int, step: int, share: float) -> bool:
+    """Whether this step is one of the ``share`` checked: a stable hash, the same in every process."""
+    if share <= 0:
+        return False
+    digest = hashlib.sha256(f"fusion-shadow\0{thread_id}\0{turn}\0{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def action(answer: AIMessage) -> dict[str, Any]:
+    """What an answer does: a reply, or its tool calls (names and canonical arguments, in order)."""
+    if not answer.tool_calls:
+        return {"reply": True}
+    return {"tools": [[call["name"], json.dumps(call["args"], sort_keys=True)] for call in answer.tool_calls]}
+
+
+def same_action(local: AIMessage, cloud: AIMessage) -> bool:
+    """Both reply, or both call the same tools with equal arguments (the order of the calls aside)."""
+    first, second = action(local), action(cloud)
+    if "reply" in first or "reply" in second:
+        return first == second
+    return sorted(map(tuple, first["tools"])) == sorted(map(tuple, second["tools"]))
+
+
+@dataclass
+class _Pending:
+    """A shadow call in flight: what it shadows, and its task."""
+
+    turn: int
+    step: int
+    score: int | None
+    local: AIMessage | None
+    task: asyncio.Task[Asked]
+
+
+class ShadowChecks:
+    """The shadow calls of one graph, by thread, until their records are folded into ``route_log``."""
+
+    def __init__(self) -> None:
+        """No shadow in flight."""
+        self._pending: dict[str, list[_Pending]] = {}
+
+    def start(
+        self,
+        *,
+        thread_id: str,
+        turn: int,
+        step: int,
+        score: int | None,
+        prompt: Sequence[BaseMessage],
+        tools: Sequence[BaseTool],
+        chain: ProviderChain,
+        placer: Placer,
+        check: BudgetCheck,
+        context: FusionContext,
+        timeout_s: float | None,
+        max_tokens: int,
+    ) -> bool:
+        """Send the shadow call beside the step (not awaited); ``False`` when there is no cloud or budget."""
+        cloud_legs: tuple[Leg, ...] = ("cloud",)
+        cloud = chain.only(cloud_legs)
+        if not cloud.links or check.over is not None:
+            return False
+        decision = RouteDecision("cloud", None, None, f"shadow check of local step {step} (shadow_share)")
+        cap = min(max_tokens, check.max_tokens) if check.max_tokens is not None else max_tokens
+        call = Ask(
+            kind="shadow",
+            turn=turn,
+            step=step,
+            decision=decision,
+            prompt=prompt,
+            thread_id=thread_id,
+            tools=tools,
+            tags=(TAG_NOSTREAM,),  # not the run's answer: kept out of its messages stream
+            learn_box=False,
+        )
+        bounds = Bounds(max_tokens={link.id: cap for link in cloud.links}, timeout_s=timeout_s)
+        task = asyncio.ensure_future(ask(call, chain=cloud, placer=placer, bounds=bounds))
+        self._pending.setdefault(thread_id, []).append(_Pending(turn, step, score, None, task))
+        return True
+
+    def answered(self, thread_id: str, turn: int, step: int, local: AIMessage | None) -> None:
+        """The local answer of the step a shadow runs beside (``None``: the step did not answer locally)."""
+        for pending in self._pending.get(thread_id, []):
+            if (pending.turn, pending.step) == (turn, step) and pending.local is None:
+                if local is None:
+                    pending.task.cancel()
+                pending.local = local
+
+    def fold(self, thread_id: str) -> list[RouteRecord]:
+        """The records of the thread's shadows that have finished (never waits for one)."""
+        pending = self._pending.get(thread_id)
+        if not pending:
+            return []
+        records, left = [], []
+        for item in pending:
+            if item.task.cancelled():
+                continue  # its step did not answer locally: nothing to compare
+            if not item.task.done() or item.local is None:
+                left.append(item)  # the shadow, or its step's own answer, is still on its way
+                continue
+            record = _record(item)
+            if record is not None:
+                records.append(record)
+        if left:
+            self._pending[thread_id] = left
+        else:
+            self._pending.pop(thread_id, None)
+        return records
+
+
+def _record(item: _Pending) -> RouteRecord | None:
+    """The shadow's record: whether the cloud acted as the local leg did, what it did and its cost."""
+    try:
+        asked = item.task.result()
+    except Exception as error:  # noqa: BLE001 - a shadow never fails the turn; it is logged and dropped
+        logger.warning("shadow check of step %d failed: %s", item.step, scrub(str(error)))
+        return None
+    record = asked.record
+    assert item.local is not None
+    shadow: dict[str, Any] = {"of_step": item.step, "score": item.score, "local_action": action(item.local)}
+    if asked.answer is None:
+        shadow |= {"agrees": None, "cloud_action": None, "cost_usd": None}
+    else:
+        shadow |= {
+            "agrees": same_action(item.local, asked.answer),
+            "cloud_action": action(asked.answer),
+            "cost_usd": record["cost_usd"],
+        }
+    record["extra"]["shadow"] = shadow
+    return record
