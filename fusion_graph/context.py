@@ -4,9 +4,10 @@ LangGraph Studio renders these fields (with their defaults and descriptions)
 as the assistant's configuration; ``langgraph dev`` and embedding apps pass
 them as ``context=``. Under LangGraph server the context comes from API
 callers, so it holds only run choices (routing, limits, memory knobs, the
-system prompt) and two fields that may *narrow* the operator's settings
-(``cloud_model``, ``workspace_root``): endpoints, keys, prices and timeouts
-are ``FusionSettings``. Unknown keys, operator settings and wrong types are
+system prompt) and four fields that may only *narrow* the operator's settings
+(``cloud_model``, ``workspace_root``, ``turn_cloud_budget_usd``,
+``thread_cloud_budget_usd``): endpoints, keys, prices and timeouts are
+``FusionSettings``. Unknown keys, operator settings and wrong types are
 refused with a message naming the field.
 
 Each default can be set by the operator with ``FUSION_<FIELD_NAME>``; it is
@@ -258,7 +259,7 @@ class FusionContext:
         return {name: ENV_PREFIX + env.upper() for name, env in ENV_KEYS.items()}
 
 
-#: Fields a run's context may set (two of them narrow operator settings).
+#: Fields a run's context may set (four of them may only narrow operator settings).
 RUN_FIELDS = frozenset(f.name for f in fields(FusionContext))
 
 #: The environment variable suffix of each field's default (the narrowing fields have their own,

@@ -30,7 +30,7 @@ printing the package's records when the application configured no logging.
 The same is installed on the HTTP libraries' loggers the package drives
 (``httpx``, ``httpcore``, ``openai``): at DEBUG they log request and response
 headers, where a gateway may echo the key. Handlers attached to a child logger
-(``fusion_graph.providers``, ``httpcore.http11``) run before it and see raw
+(``fusion_graph.providers``, httpcore's ``http11``) run before it and see raw
 records; add a ``RedactingFilter`` to those (or to any handler, to scrub other
 libraries' records too). Streamed answers are scrubbed by ``StreamScrubber``.
 """

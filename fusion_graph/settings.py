@@ -2,9 +2,10 @@
 
 These belong to whoever runs the graph, never to whoever calls it: under
 ``langgraph dev`` or LangGraph server the run context comes from API callers,
-so nothing here can be set per run. A run's context may only *narrow* two of
-them (``cloud_model`` to one of ``cloud_models``, ``workspace_root`` to a
-directory inside this one; see ``narrow``). Read once at graph build from
+so nothing here can be set per run. A run's context may only *narrow* four of
+them: ``cloud_model`` to one of ``cloud_models``, ``workspace_root`` to a
+directory inside this one (see ``narrow``), and the two cloud budgets to lower
+ones (``budget.cloud_budget``). Read once at graph build from
 ``FUSION_*`` environment variables (and a ``.env`` file), or passed as
 ``build_graph(settings=...)``.
 """

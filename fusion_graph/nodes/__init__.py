@@ -6,6 +6,7 @@
 - ``route``: where the turn goes after a batch, decided once and handed to the executor
 - ``memory``: recall into a new turn and the memory jobs after a reply
 - ``synthesis``: cloud re-writes a turn's final reply when the local leg wrote it
+- ``shadow``: the cloud leg asked beside a share of local steps, to record whether it acts alike
 - ``ends``: ``step_limit``, ``give_up`` and ``unavailable`` (every provider down)
 """
 

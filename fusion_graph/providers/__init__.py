@@ -2,15 +2,18 @@
 
 - ``models``: a provider (leg, model, endpoint) and the default chat models built from the settings
 - ``openai_compatible``: ``ChatOpenAI`` with repairable tool-call arguments
-- ``llama_server``: llama-server as the local leg (chat model, ``/props`` discovery, counting)
-- ``slots``: slot affinity (each thread keeps its llama-server slot, so its KV cache)
+- ``llama_server``: llama-server as the local leg (chat model, ``/props``, counting, the start line)
+- ``http``: HTTP transports per event loop
+- ``discovery``: what the local servers say about themselves (slots, windows, where to count)
+- ``slots``: slot affinity in one process (each thread keeps its llama-server slot, per box too)
+- ``placement``: where a local request goes (``Placer``): this process's slots, or shared leases
 - ``health``: classify an error; one provider's circuit (cooldown, probe)
-- ``chain``: fallover between providers (``ProviderChain``, ``ChainExhausted``)
+- ``chain``: fallover between providers (``ProviderChain``), cooldowns shared through a board
 - ``pricing``: per-provider prices and a thread's totals
-- ``resolver``: the chain a run's context resolves to
-- ``records``: one route record per answered inference
-- ``sizes``: windows, budgets and prompt estimates of a step (the I/O around ``sizing``)
-- ``inference``: one inference through the chain, recorded
+- ``resolver``: the chain a run's context resolves to, and the graph's placement
+- ``measure``: windows, budgets and prompt estimates of a step (the I/O around ``sizing``)
+- ``ask``: the one provider call, recorded
+- ``sampling``: MCP sampling requests answered through the chain
 """
 
 from fusion_graph.errors import (

@@ -1,7 +1,8 @@
 """The one provider call: ``ask`` runs an inference through the chain and records it.
 
 Every inference comes through here: the steps (plan, continuation steps,
-repairs), the re-synthesis of a reply, the memory jobs and MCP samples. So
+repairs), the re-synthesis of a reply, the memory jobs, MCP samples and
+shadow checks (every ``records.StepKind``). So
 every call is made and recorded the same way:
 
 - a local link gets the request's ``Placement`` (the slot as ``id_slot`` +

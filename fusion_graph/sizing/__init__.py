@@ -4,4 +4,5 @@
 - ``estimate``: a leg's estimate anchored on what its server last reported
 - ``fit``: which links' windows can hold a step, and the conversation budget
 - ``compaction``: make a conversation fit when no window can hold it
+- ``history_memo``: folds over a growing history, remembered, so a step pays for its new messages
 """

@@ -6,11 +6,11 @@ template and the tool schemas. Each leg's server reports the exact
 request on that leg is that report (a ``PromptAnchor`` in graph state) plus an
 estimate of only the messages appended since. Without an anchor (a thread's
 first request on a leg, or after compaction), the graph asks llama-server to
-render and tokenize the prompt (``llama.count_prompt_tokens``) or, for other
+render and tokenize the prompt (``providers.llama_server.count_prompt_tokens``) or, for other
 servers, estimates the whole prompt with its tool schemas
-(``signals.prompt_estimate``).
+(``sizing.tokens.prompt_estimate``).
 
-Pure functions over plain data; the graph's ``sizing.Sizer`` does the I/O.
+Pure functions over plain data; the graph's ``providers.measure.Sizer`` does the I/O.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ on), or a gateway over several, the workspace, and the checkpoint database.
 
 - ``rows``: the ``Check`` row and the wording the checks share
 - ``cloud``: the key, the endpoint, the price
-- ``props``: what ``/props`` and the tools probe say (pure); ``llama``: reaching llama-server
+- ``props``: what ``/props`` and the tools probe say (pure)
+- ``llama``: reaching llama-server
 - ``gateway``: a gateway over several llama-servers
-- ``workspace`` and ``checkpoints``: the directory the tools use, the store ``run`` writes
+- ``workspace``: the directory the tools use
+- ``checkpoints``: the store ``run`` writes
 - ``command``: the command itself, and the table
 """
 

@@ -1,7 +1,7 @@
 """Doctor's llama-server rows: is it reachable, is it llama-server at all, then what ``props`` says.
 
 An unreachable server gets the start line ``run`` gives too
-(``llama_server.start_command``, sized to the run's budget and first prompt).
+(``providers.llama_server.start_command``, sized to the run's budget and first prompt).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The row every doctor check returns, and the wording the checks share (counts, HTTP errors).
 
-Each check is a small function returning ``Check`` rows; ``doctor.command``
+Each check is a small function returning ``Check`` rows; ``cli.doctor.command``
 renders them. A row's status says what it means for a run: ``fail`` (it will
 not work: exit code 1), ``warn`` (it works, not as well as it could), ``ok``,
 or ``info`` (something that could not be checked).
