@@ -87,9 +87,33 @@ def budgeted_context(base: FusionContext, variant: Variant, all_cloud: float, tu
     return dataclasses.replace(base, thread_cloud_budget_usd=thread, turn_cloud_budget_usd=turn)
 
 
-def row(name: str, completion: int, result: dict[str, Any], all_cloud: float) -> dict[str, Any]:
+def overspent(replays: Sequence[ReplayedTrajectory]) -> tuple[int, float]:
+    """Threads whose cloud spend (the graph's priced steps) passed their budget, and the worst ratio.
+
+    A thread's budget is its context's ``thread_cloud_budget_usd``; the spend is what
+    its cloud steps cost by the graph's rule (each call capped at what the budget pays).
+    """
+    count, worst = 0, 0.0
+    for replay in replays:
+        limit = replay.context.thread_cloud_budget_usd if replay.context is not None else None
+        if not limit:
+            continue
+        spent = sum(step.cost_usd or 0.0 for step in replay.steps if step.leg == "cloud")
+        count += spent > limit + 1e-12
+        worst = max(worst, spent / limit)
+    return count, round(worst, 4)
+
+
+def row(
+    name: str,
+    completion: int,
+    result: dict[str, Any],
+    all_cloud: float,
+    replays: Sequence[ReplayedTrajectory] = (),
+) -> dict[str, Any]:
     """One table row from a ``summarize`` result of the whole run, against the all-cloud total."""
     cloud = result["cloud_cost_usd"]
+    over, worst = overspent(replays)
     return {
         "variant": name,
         "max_completion_tokens": completion,
@@ -104,6 +128,8 @@ def row(name: str, completion: int, result: dict[str, Any], all_cloud: float) ->
         "turns_ending_local": result["resynthesis"]["turns_ending_local"],
         "resynthesis_cost_usd": result["resynthesis"]["added_cost_usd"],
         "resynthesis_skipped": result["resynthesis"]["skipped_by_budget"],
+        "overspent_threads": over,
+        "most_of_budget_spent": worst,
     }
 
 
@@ -125,6 +151,8 @@ COLUMNS = (
     "plans on cloud",
     "moved local (plans)",
     "re-synth. +cost (skipped)",
+    "over budget (threads)",
+    "most of a budget spent",
 )
 
 
@@ -142,6 +170,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
             f"{item['plan_cloud_steps']}/{item['plan_steps']}",
             f"{item['budget_local_steps']} ({item['budget_local_plan_steps']})",
             f"{_money(item['resynthesis_cost_usd'])} ({item['resynthesis_skipped']})",
+            str(item["overspent_threads"]),
+            f"{item['most_of_budget_spent']:.2f}" if item["most_of_budget_spent"] else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -178,7 +208,7 @@ def run(
                 replay_trajectory(t, budgeted_context(sized, variant, all_cloud[i], turns[i]), prices)
                 for i, t in enumerate(trajectories)
             ]
-            rows.append(row(variant.name, completion, summarize(replays, prices), total))
+            rows.append(row(variant.name, completion, summarize(replays, prices), total, replays))
     return {"all_cloud_cost_usd": total, "rows": rows}
 
 

@@ -34,6 +34,7 @@ from fusion_graph.routing import (
     TROUBLE_WEIGHTS,
     Mode,
     check_score_quantiles,
+    check_trouble_weights,
 )
 from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS
 
@@ -46,6 +47,17 @@ def _score_table(value: Any) -> Any:
     if isinstance(value, str):
         value = json.loads(value) if value.strip() else None
     return None if value is None else check_score_quantiles(value)
+
+
+def _trouble_table(value: Any) -> Any:
+    """``trouble_weights``, checked (JSON text from the environment is decoded first; empty: ``None``)."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"trouble_weights must be an object of term weights, got {value!r}")
+    return check_trouble_weights(value)
 
 
 def _blank_is_none(value: Any) -> Any:
@@ -121,6 +133,14 @@ class FusionContext:
         f"{TROUBLE_WEIGHTS['no_progress']} × no progress (the share of recent calls already made in "
         "the turn) to the score (clipped to 100), and keep a turn that trouble escalated on cloud "
         "until a progress event (a success after errors, a passing test run). Off: the four-term score.",
+    )
+    trouble_weights: Annotated[dict[str, int] | None, BeforeValidator(_trouble_table)] = _field(
+        "trouble_weights",
+        None,
+        "Points of the two trouble terms when trouble_signals is on, as an object (error_severity, "
+        f"no_progress; a term left out keeps its default, {TROUBLE_WEIGHTS['error_severity']} and "
+        f"{TROUBLE_WEIGHTS['no_progress']}; 0 turns it off); `fusion-graph calibrate --labels "
+        "--trouble-signals` picks them. Empty: the defaults.",
     )
     max_steps: Annotated[int, *between(1, 1000)] = _field(
         "max_steps", 25, "Inferences allowed per turn (plan, steps and repairs) before it ends."

@@ -8,6 +8,7 @@ provider's own report, or are ``None`` when it reported nothing: never an estima
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -97,6 +98,25 @@ class RouteRecord(DecisionFields):
     extra: dict[str, Any]
     kept_local_by_budget: NotRequired[bool]
     """A cloud budget moved this inference from cloud to local (``budget.guard``)."""
+
+
+def action(answer: AIMessage) -> dict[str, Any]:
+    """What an answer does: a reply, or its tool calls (names and canonical arguments, in order).
+
+    Shadow checks (``nodes.shadow``) and offline labels (``replay.labelling``) record it as
+    ``local_action``, ``cloud_action`` or ``recorded_action``.
+    """
+    if not answer.tool_calls:
+        return {"reply": True}
+    return {"tools": [[call["name"], json.dumps(call["args"], sort_keys=True)] for call in answer.tool_calls]}
+
+
+def same_action(first: AIMessage, second: AIMessage) -> bool:
+    """Both reply, or both call the same tools with equal arguments (the order of the calls aside)."""
+    one, other = action(first), action(second)
+    if "reply" in one or "reply" in other:
+        return one == other
+    return sorted(map(tuple, one["tools"])) == sorted(map(tuple, other["tools"]))
 
 
 def is_step(record: Mapping[str, Any]) -> bool:

@@ -17,7 +17,7 @@ be circular. Do not add it here; it belongs in the route log, not the score.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Literal
@@ -48,6 +48,30 @@ TROUBLE_WEIGHTS: dict[str, int] = {
     "error_severity": 50,
     "no_progress": 30,
 }
+
+
+def check_trouble_weights(weights: Mapping[str, float]) -> dict[str, int]:
+    """``weights`` as whole points per trouble term, the missing terms at ``TROUBLE_WEIGHTS``.
+
+    ``FusionContext.trouble_weights`` holds them (``fusion-graph calibrate --labels
+    --trouble-signals`` picks them); 0 turns a term off.
+
+    Raises:
+        ValueError: An unknown term, or a weight that is not a whole number 0-100.
+    """
+    unknown = sorted(set(weights) - set(TROUBLE_WEIGHTS))
+    if unknown:
+        raise ValueError(
+            f"trouble_weights has no term {unknown[0]!r}; the terms are {sorted(TROUBLE_WEIGHTS)}"
+        )
+    checked = dict(TROUBLE_WEIGHTS)
+    for name, value in weights.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not float(value).is_integer() or not 0 <= value <= 100:
+            raise ValueError(f"trouble_weights[{name!r}] must be a whole number 0-100, got {value!r}")
+        checked[name] = int(value)
+    return checked
+
 
 DEFAULT_CLOUD_SHARE = 30
 DEFAULT_HYSTERESIS = 10
@@ -191,7 +215,7 @@ def _ratio(numerator: float, denominator: float) -> float:
     return min(max(numerator / denominator, 0.0), 1.0)
 
 
-def score_step(signals: StepSignals) -> StepScore:
+def score_step(signals: StepSignals, trouble_weights: Mapping[str, int] | None = None) -> StepScore:
     """Score one step from 0 (mechanical) to 100 (needs the strongest model).
 
     ``40 × context pressure + 25 × turn depth + 20 × transient notice + 15 × tail growth``,
@@ -206,6 +230,9 @@ def score_step(signals: StepSignals) -> StepScore:
     clipped to 100, and give a ``TroubleScore``: trouble lifts a step on top of
     how heavy it is, and a step with no trouble scores exactly what the four
     give. Plain ``StepSignals`` score exactly as the seed's rule.
+
+    ``trouble_weights`` (``FusionContext.trouble_weights``, ``check_trouble_weights``)
+    replaces ``TROUBLE_WEIGHTS`` for the two trouble terms; ``None`` keeps them.
     """
     ratios = {
         "context_pressure": _ratio(signals.prompt_tokens, signals.conversation_max_tokens),
@@ -217,7 +244,7 @@ def score_step(signals: StepSignals) -> StepScore:
     if isinstance(signals, TroubleSignals):
         ratios["error_severity"] = _ratio(signals.error_severity, 1)
         ratios["no_progress"] = _ratio(signals.no_progress, 1)
-        weights = WEIGHTS | TROUBLE_WEIGHTS
+        weights = WEIGHTS | dict(TROUBLE_WEIGHTS if trouble_weights is None else trouble_weights)
     points = {name: round(weights[name] * ratio, 2) for name, ratio in ratios.items()}
     total = sum(weights[name] * ratio for name, ratio in ratios.items())
     score = min(100, max(0, int(total + 0.5)))
@@ -365,15 +392,15 @@ def latch_rule(band: Leg, latch: Latch, *, step: int, for_trouble: bool) -> tupl
     return band, None
 
 
-def _trouble_words(score: StepScore) -> str:
+def _trouble_words(score: StepScore, weights: Mapping[str, int] | None = None) -> str:
     """The trouble terms in words: ``trouble 40 (error severity 0.5 × 50 = 25, no progress ...)``."""
     if not isinstance(score, TroubleScore):
         return "no trouble terms"
     parts = []
     for name, words in (("error_severity", "error severity"), ("no_progress", "no progress")):
         points = getattr(score, name)
-        weight = TROUBLE_WEIGHTS[name]
-        parts.append(f"{words} {points / weight:.3g} × {weight} = {points:g}")
+        weight = (TROUBLE_WEIGHTS if weights is None else weights)[name]
+        parts.append(f"{words} {points / weight:.3g} × {weight} = {points:g}" if weight else f"{words} off")
     return f"trouble {score.trouble:g} ({', '.join(parts)})"
 
 
@@ -385,11 +412,12 @@ def _latched(
     escalated: bool,
     base_value: float,
     base_shown: str,
+    weights: Mapping[str, int] | None = None,
 ) -> RouteDecision:
     """``decision`` (the band's) under the escalation latch (``latch_rule``); the reason gives the numbers."""
     if latch is None or decision.score is None or decision.threshold is None:
         return decision
-    words = [decision.reason, _trouble_words(decision.score)]
+    words = [decision.reason, _trouble_words(decision.score, weights)]
     if latch.since is not None and latch.progress:
         words.append(f"progress event: latch from step {latch.since} released")
     for_trouble = (
@@ -419,6 +447,7 @@ def decide_leg(
     score_quantiles: Sequence[float] | None = None,
     pace: Pace | None = None,
     latch: Latch | None = None,
+    trouble_weights: Mapping[str, int] | None = None,
 ) -> RouteDecision:
     """Pick the leg of one step.
 
@@ -465,6 +494,8 @@ def decide_leg(
             leaves every continuation step to the score.
         latch: The escalation latch as this step finds it; ``None``: no latch
             (the seed's rule).
+        trouble_weights: The weights ``score`` was scored with (``score_step``), for the
+            reason's words; ``None``: ``TROUBLE_WEIGHTS``.
     """
     if not 0 <= cloud_share <= 100:
         raise ValueError(f"cloud_share must be between 0 and 100, got {cloud_share}")
@@ -519,5 +550,6 @@ def decide_leg(
         escalated=current_leg != "cloud",
         base_value=base_value,
         base_shown=f"{base_value:g}",
+        weights=trouble_weights,
     )
     return _paced(decision, pace, cloud_share)

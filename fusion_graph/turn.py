@@ -281,12 +281,13 @@ def next_route(
         mode=context.mode,
         step=step,
         current_leg=None if plan else state.get("leg"),
-        score=score_step(signals),
+        score=score_step(signals, context.trouble_weights),
         cloud_share=context.cloud_share,
         hysteresis=context.hysteresis,
         score_quantiles=context.score_quantiles,
         pace=pace_of(state, context),
         latch=latch,
+        trouble_weights=context.trouble_weights,
     )
     return decision, signals
 

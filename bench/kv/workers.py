@@ -503,10 +503,17 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     threads_n = args.threads[0]
     grid = build_grid(args.workers, boxes=args.boxes, placements=args.placements, spare_at=args.spare_at)
+    versions: dict[str, str] = {}
     if any(variant.boxes > 1 for variant in grid):
-        from fusion_graph_testing import ensure_smg
+        from fusion_graph_testing import ensure_smg, smg_version
 
-        ensure_smg()  # before the slow part: a missing gateway stops the run at once
+        versions["smg"] = smg_version(ensure_smg())  # a missing gateway stops the run at once
+    shared = any(variant.placement == "shared" for variant in grid)
+    if shared:
+        from fusion_graph_testing.postgres import PostgresCluster, check_os_user, find_bin_dir
+
+        find_bin_dir()  # and so does a missing Postgres
+        check_os_user()
     swe = swe_trajectories(args)
     threads = gateway_threads(swe, threads_n)
     _progress(f"{len(swe)} SWE-agent trajectories as {threads_n} threads; {len(grid)} variants")
@@ -522,10 +529,9 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
             f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {planned.longest} tokens"
         )
         cluster = None
-        if any(variant.placement == "shared" for variant in grid):
-            from fusion_graph_testing.postgres import PostgresCluster
-
+        if shared:
             cluster = stack.enter_context(PostgresCluster(prefix="kv-workers-pg-"))
+            versions["postgres"] = cluster.version()
         for variant in grid:
             leaf = run_one(
                 variant,
@@ -563,6 +569,7 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
         "llama_server_version": planned.llama_server_version,
         "model": f"tiny random-weight qwen2 (harness write_tiny_model, qwen2 vocab), n_ctx {MODEL_N_CTX}",
         "chat_template": TEMPLATE,
+        **versions,
         "box_flags": ["--cache-ram", str(args.cache_ram)],
         "database": "a fresh database per shared variant on one throwaway Postgres cluster",
         "cache_reset": "fresh boxes, gateway, worker processes and database per variant",
@@ -669,7 +676,9 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"KV reuse over worker processes: {meta['trajectories']} SWE-agent trajectories as {meta['threads']} "
         f"threads, runs of {meta['steps_per_run']} local steps round robin over the workers, "
-        f"{meta['llama_server_version']}, cloud_share {meta['cloud_share']}"
+        f"cloud_share {meta['cloud_share']}; llama-server {meta['llama_server_version']} "
+        f"{' '.join(meta['box_flags'])}"
+        + "".join(f", {name} {meta[name]}" for name in ("smg", "postgres") if name in meta)
     )
     print(format_workers_table(result["variants"]))
     print(f"Check (shared placement <= {SHARED_OVER_MINIMUM:.2f} × minimum):")

@@ -5,10 +5,13 @@
     fusion-graph run "Rename foo to bar in app.py" --workspace .
     fusion-graph replay --cloud-share 30 --plot timelines.png   # the bundled sample traces
     fusion-graph calibrate my-traces/ --target-cloud-fraction 0.2 --json
+    fusion-graph label my-traces/ --out labels.jsonl      # ask the local model every recorded step
+    fusion-graph calibrate --labels labels.jsonl --target-cloud-fraction 0.2
     fusion-graph report --db .fusion-graph/threads.sqlite
     fusion-graph doctor --live
 
-Each command lives in its own module (``run``, ``replay``, ``calibrate``, ``report``, ``doctor``).
+Each command lives in its own module (``run``, ``replay``, ``calibrate``, ``label``, ``report``,
+``doctor``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import typer
 
 from fusion_graph.cli.calibrate import calibrate_command
 from fusion_graph.cli.doctor import doctor
+from fusion_graph.cli.label import label
 from fusion_graph.cli.replay import replay
 from fusion_graph.cli.report import report
 from fusion_graph.cli.run import run
 
 app = typer.Typer(
     name="fusion-graph",
-    help="Route each agent step to a cloud or a local llama-server model; replay, calibrate, report.",
+    help="Route each agent step to a cloud or a local llama-server model; replay, label, calibrate, report.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -64,6 +68,7 @@ def _options(
 app.command()(run)
 app.command()(replay)
 app.command("calibrate")(calibrate_command)
+app.command()(label)
 app.command()(report)
 app.command()(doctor)
 

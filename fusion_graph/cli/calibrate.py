@@ -75,6 +75,43 @@ def _priced(replays: Sequence[ReplayedTrajectory], prices: StepPrices) -> list[l
     return [scored_steps(r.steps, step_costs(r, prices)) for r in replays]
 
 
+def _on_labels(
+    labels: Path | None,
+    db: Path | None,
+    target: float,
+    kind: TargetOf,
+    given: dict[str, Any],
+    *,
+    traces: list[Path] | None,
+    pace_slack: float | None,
+    trouble_signals: bool | None,
+    budgets: bool,
+    as_json: bool,
+    save: Path | None,
+    plot: Path | None,
+) -> None:
+    """``calibrate --labels`` / ``--labels-from-db``: the options checked, then ``calibrate_labels``'s run."""
+    from fusion_graph.cli.calibrate_labels import calibrate_on_labels
+    from fusion_graph.context import ensure_context
+    from fusion_graph.errors import ContextError
+
+    if traces:
+        raise fail("give either TRACES or --labels/--labels-from-db: the labels hold the steps")
+    if kind != "continuation":
+        raise fail("--labels calibrates a share of continuation steps: use --target-cloud-fraction F")
+    if budgets:
+        raise fail("--turn-budget/--thread-budget price trace replays; labels are not priced")
+    if trouble_signals is not None:
+        given["trouble_signals"] = trouble_signals
+    grid = bool(given.get("trouble_signals")) and "trouble_weights" not in given
+    slack = given.get("pace_slack", CALIBRATED_PACE_SLACK) if pace_slack is None else pace_slack
+    try:
+        base = ensure_context({**given, "pace_slack": slack or None})
+    except ContextError as error:
+        raise fail(f"{error} (--pace-slack 0 compares no paced dial)") from error
+    calibrate_on_labels(labels, db, target, base, given, grid=grid, as_json=as_json, save=save, plot=plot)
+
+
 def calibration_output(
     found: Calibration,
     checked: dict[str, Any],
@@ -159,6 +196,22 @@ def calibrate_command(
     turn_budget: TurnBudgetOpt = None,
     thread_budget: ThreadBudgetOpt = None,
     trouble_signals: TroubleOpt = None,
+    labels: Annotated[
+        Path | None,
+        typer.Option(
+            "--labels",
+            help="Calibrate on labels instead of traces: a `fusion-graph label` output file. The dial "
+            "sends the most disagreeing steps to cloud within --target-cloud-fraction.",
+        ),
+    ] = None,
+    labels_from_db: Annotated[
+        Path | None,
+        typer.Option(
+            "--labels-from-db",
+            help="Calibrate on the shadow checks of a thread store (the SQLite file `fusion-graph run` "
+            "writes): a local step the cloud, asked beside it, acted otherwise on counts as disagreeing.",
+        ),
+    ] = None,
 ) -> None:
     """Find the context that sends the target fraction of steps (or of cost) to cloud.
 
@@ -183,6 +236,14 @@ def calibrate_command(
     With --trouble-signals (or trouble_signals in --context) the traces are
     scored with the trouble terms and the table is fitted with the escalation
     latch in place; the context carries the switch.
+
+    With --labels (or --labels-from-db) the steps are the labelled ones and the
+    dial is the one that sends the most disagreeing continuation steps (where
+    the local model did not take the recorded action) to cloud within the
+    target share; with --trouble-signals a small grid of trouble weights is
+    tried too, and the best kept (trouble_weights in the context). The table
+    compares it with the seed's score under the design rule, the paced dial
+    and random routing; --plot draws recall against share for each.
     """
     from fusion_graph.context import ensure_context
     from fusion_graph.errors import CalibrationError, ContextError
@@ -191,6 +252,22 @@ def calibrate_command(
 
     target, kind = _target(target_cloud_fraction, target_cost_fraction, of)
     given = context_dict(context)
+    if labels is not None or labels_from_db is not None:
+        _on_labels(
+            labels,
+            labels_from_db,
+            target,
+            kind,
+            given,
+            traces=traces,
+            pace_slack=pace_slack,
+            trouble_signals=trouble_signals,
+            budgets=turn_budget is not None or thread_budget is not None,
+            as_json=as_json,
+            save=save,
+            plot=plot,
+        )
+        return
     budgets = {"turn_cloud_budget_usd": turn_budget, "thread_cloud_budget_usd": thread_budget}
     given.update({key: value for key, value in budgets.items() if value is not None})
     if trouble_signals is not None:

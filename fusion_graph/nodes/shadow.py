@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from fusion_graph.context import FusionContext
 from fusion_graph.providers.ask import Ask, Asked, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.placement import Placer
-from fusion_graph.records import RouteRecord
+from fusion_graph.records import RouteRecord, action, same_action
 from fusion_graph.redact import scrub
 from fusion_graph.routing import Leg, RouteDecision
 
@@ -43,21 +42,6 @@ def picked(thread_id: str, turn: int, step: int, share: float) -> bool:
         return False
     digest = hashlib.sha256(f"fusion-shadow\0{thread_id}\0{turn}\0{step}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < share
-
-
-def action(answer: AIMessage) -> dict[str, Any]:
-    """What an answer does: a reply, or its tool calls (names and canonical arguments, in order)."""
-    if not answer.tool_calls:
-        return {"reply": True}
-    return {"tools": [[call["name"], json.dumps(call["args"], sort_keys=True)] for call in answer.tool_calls]}
-
-
-def same_action(local: AIMessage, cloud: AIMessage) -> bool:
-    """Both reply, or both call the same tools with equal arguments (the order of the calls aside)."""
-    first, second = action(local), action(cloud)
-    if "reply" in first or "reply" in second:
-        return first == second
-    return sorted(map(tuple, first["tools"])) == sorted(map(tuple, second["tools"]))
 
 
 @dataclass

@@ -36,6 +36,8 @@ class ReplayedStep:
     """Index of the step within its turn (0 is the plan)."""
     decision: RouteDecision
     signals: StepSignals
+    cost_usd: float | None = None
+    """A cloud step's cost by the graph's rule (its completion capped by the budget), when priced."""
 
     @property
     def leg(self) -> Leg:
@@ -175,5 +177,5 @@ def route_history(
             max_calls=context.max_tool_calls_per_step,
             loop_repeat_limit=context.loop_repeat_limit,
         )
-        routed.append(ReplayedStep(index + offset, step, decision, signals))
+        routed.append(ReplayedStep(index + offset, step, decision, signals, cost))
     return routed

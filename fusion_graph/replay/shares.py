@@ -102,6 +102,7 @@ def route_scores(trace: Trace, context: FusionContext) -> list[RouteDecision]:
             score_quantiles=context.score_quantiles,
             pace=pace,
             latch=found,
+            trouble_weights=context.trouble_weights,
         )
         leg, latch = decision.leg, decision.latch
         if pace is not None and item.step > 0:

@@ -1,7 +1,9 @@
 """Recorded agent trajectories: where they are, how they load, and the prices their steps are read at.
 
 A trace file is JSONL, one conversation per line:
-``{"id", "messages": [OpenAI chat messages], "reward"?, ...}``. Every assistant
+``{"id", "messages": [OpenAI chat messages], "reward"?, "tools"?, ...}``, where
+``tools`` are the tool schemas the agent had (OpenAI's ``{"type": "function",
+"function": {...}}``, or the function objects alone). Every assistant
 message is one step. ``replayed`` routes them with the graph's own routing,
 ``summary`` adds the replays up. A small synthetic sample ships with the
 package (``SAMPLE_TRACES``), so the ``replay`` and ``calibrate`` commands run
@@ -110,6 +112,8 @@ class RecordedTrajectory:
     reward: float | None
     """Task outcome when the source records one (tau-bench: 1 success, 0 failure)."""
     messages: tuple[BaseMessage, ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    """The tool schemas the record gives (OpenAI format, ``{"type": "function", ...}``); ``()``: none."""
 
 
 def trace_files(paths: Iterable[Path]) -> list[Path]:
@@ -142,6 +146,30 @@ class TraceRecord:
     """The record's own ``id`` (``None`` when it has none)."""
     reward: float | None
     messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    """The record's ``tools`` as OpenAI tool schemas (``tool_schemas``); ``()``: it has none."""
+
+
+def tool_schemas(raw: Any, *, where: str) -> tuple[dict[str, Any], ...]:
+    """A record's ``tools`` as OpenAI tool schemas: ``{"type": "function", "function": {"name", ...}}``.
+
+    Function objects given alone (``{"name", "description", "parameters"}``) are wrapped;
+    no ``tools`` (``None``) is none.
+
+    Raises:
+        TraceError: ``tools`` is not a list of named functions.
+    """
+    if raw is None:
+        return ()
+    found = []
+    for item in raw if isinstance(raw, list) else [None]:
+        function = item.get("function", item) if isinstance(item, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise TraceError(
+                f"{where}: expected 'tools' to be a list of {{'type': 'function', 'function': ...}}"
+            )
+        found.append({"type": "function", "function": function})
+    return tuple(found)
 
 
 def parse_records(lines: Iterable[str], *, file: str) -> list[TraceRecord]:
@@ -171,6 +199,7 @@ def parse_records(lines: Iterable[str], *, file: str) -> list[TraceRecord]:
                 id=str(record["id"]) if record.get("id") else None,
                 reward=float(reward) if isinstance(reward, int | float) else None,
                 messages=tuple(raw),
+                tools=tool_schemas(record.get("tools"), where=f"{file}:{number}"),
             )
         )
     return found
@@ -195,6 +224,7 @@ def parse_trajectories(lines: Iterable[str], *, file: str) -> list[RecordedTraje
                 id=record.id or f"{file}:{record.line}",
                 reward=record.reward,
                 messages=tuple(messages),
+                tools=record.tools,
             )
         )
     return found

@@ -314,6 +314,14 @@ class PostgresCluster:
         finally:
             shutil.rmtree(server.root, ignore_errors=True)
 
+    def version(self) -> str:
+        """The server's ``server_version``, e.g. ``15.8 (Debian 15.8-0+deb12u1)``."""
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+        return str(row[0]) if row else "unknown"
+
     def create_database(self, name: str) -> str:
         """Create the empty database ``name``; returns its connection URL."""
         import psycopg

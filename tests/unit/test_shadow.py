@@ -14,8 +14,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.cli.agreement import agreement
-from fusion_graph.nodes.shadow import picked, same_action
+from fusion_graph.nodes.shadow import picked
 from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.records import same_action
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 
