@@ -65,7 +65,8 @@ from bench.traces import (
 from fusion_graph import memory, prompts
 from fusion_graph.memory import job_call
 from fusion_graph.providers.ask import bound_model
-from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.placement import FixedPlacement, Placement, slot_body

@@ -39,7 +39,8 @@ from langchain_openai.chat_models.base import BaseChatOpenAI
 from pydantic import ValidationError
 
 from fusion_graph.errors import ChainExhausted, MalformedAnswer
-from fusion_graph.providers.chain import ChainLink, ChainOutcome, ProviderChain
+from fusion_graph.providers.chain import ChainOutcome, ProviderChain
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import NOWHERE, Placement, Placer
 from fusion_graph.providers.pricing import price
 from fusion_graph.records import Attempt, RouteRecord, StepKind, attempt_dict, make_record, unanswered_record

@@ -13,7 +13,7 @@ import logging
 import weakref
 
 from fusion_graph.errors import LlamaServerUnavailable, LocalPoolMismatch, NotLlamaServer
-from fusion_graph.providers.chain import ChainLink
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ServerProps, fetch_props
 from fusion_graph.settings import FusionSettings
 

@@ -25,7 +25,8 @@ from fusion_graph.budget import UNLIMITED, BudgetCheck, StepPrice, check_budget,
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import ChainExhausted, ContextError
 from fusion_graph.providers.ask import Bounds
-from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import count_prompt_tokens
 from fusion_graph.providers.pricing import price
 from fusion_graph.providers.resolver import ProviderResolver

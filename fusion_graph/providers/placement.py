@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from langchain_core.language_models import BaseChatModel
 
-from fusion_graph.providers.chain import ChainLink
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.slots import BoxSlots, SlotPool, box_name, routing_key
 from fusion_graph.routing import Leg

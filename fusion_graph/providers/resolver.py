@@ -23,9 +23,10 @@ from langchain_core.language_models import BaseChatModel
 from fusion_graph.budget import CloudBudget, cloud_budget
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import ContextError, ProviderConfigError
-from fusion_graph.providers.chain import ChainLink, ProviderChain, close_chat_model
+from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.discovery import LocalServers
 from fusion_graph.providers.health import HealthPolicy
+from fusion_graph.providers.links import ChainLink, close_chat_model
 from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.models import Provider, build_cloud_model, build_local_model, model_name
 from fusion_graph.providers.placement import InProcessPlacement, Placer, SharedPlacement

@@ -34,7 +34,8 @@ from fusion_graph import FusionContext, build_graph, memory
 from fusion_graph.errors import ChainExhausted, ProviderRequestError
 from fusion_graph.memory.job_call import JobRunner, dropped_record, run_job
 from fusion_graph.providers import ProviderResolver
-from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_cloud_model
 from fusion_graph.providers.placement import FixedPlacement
 from fusion_graph.providers.pricing import FREE, Pricing

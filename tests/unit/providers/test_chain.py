@@ -18,8 +18,9 @@ from langchain_core.outputs import ChatResult
 from langchain_openai import ChatOpenAI
 
 from fusion_graph.errors import ChainExhausted, ProviderRequestError
-from fusion_graph.providers.chain import ChainLink, ProviderChain, close_chat_model, owned_clients
+from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.health import HealthPolicy, RetryPolicy
+from fusion_graph.providers.links import ChainLink, close_chat_model, owned_clients
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.records import Attempt

@@ -33,7 +33,7 @@ from fusion_graph import FusionContext, ProviderChain, build_graph
 from fusion_graph.errors import ChainExhausted
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.providers import ProviderResolver
-from fusion_graph.providers.chain import ChainLink, close_chat_model
+from fusion_graph.providers.links import ChainLink, close_chat_model
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.pricing import Pricing, unit_prices
 from fusion_graph.settings import FusionSettings

@@ -12,7 +12,8 @@ from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 
 from fusion_graph.context import FusionContext
-from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import (
     FREE,

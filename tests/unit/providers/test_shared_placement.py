@@ -9,8 +9,9 @@ import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage
 
-from fusion_graph.providers.chain import ChainLink, ProviderChain, board_key
+from fusion_graph.providers.chain import ProviderChain, board_key
 from fusion_graph.providers.health import HealthPolicy
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
 from fusion_graph.providers.placement import InProcessPlacement, SharedPlacement
 from fusion_graph.providers.pricing import FREE, Pricing
