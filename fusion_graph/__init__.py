@@ -27,7 +27,8 @@ if TYPE_CHECKING:
         ProviderRequestError,
     )
     from fusion_graph.memory import MemoryJob, drain, sweep
-    from fusion_graph.providers.chain import ChainLink, ProviderChain
+    from fusion_graph.providers.chain import ProviderChain
+    from fusion_graph.providers.links import ChainLink
     from fusion_graph.providers.llama_server import ChatLlamaServer
     from fusion_graph.records import RouteRecord
     from fusion_graph.replay import route_history
@@ -46,7 +47,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 #: Where each public name lives.
 _EXPORTS = {
     "ChainExhausted": "fusion_graph.errors",
-    "ChainLink": "fusion_graph.providers.chain",
+    "ChainLink": "fusion_graph.providers.links",
     "ChatLlamaServer": "fusion_graph.providers.llama_server",
     "ContextError": "fusion_graph.errors",
     "FusionError": "fusion_graph.errors",

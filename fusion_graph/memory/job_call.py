@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
 from fusion_graph.providers.ask import Ask, Bounds, ask
-from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import Placement, Placer
 from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
