@@ -673,12 +673,13 @@ def main(args: argparse.Namespace) -> int:
     checks = evaluate_checks(result["variants"])
     result["checks"] = [{"variant": c.variant, "holds": c.holds, "detail": c.detail} for c in checks]
     meta = result["meta"]
+    llama = meta["llama_server_version"].removeprefix("version: ")
     print(
         f"KV reuse over worker processes: {meta['trajectories']} SWE-agent trajectories as {meta['threads']} "
         f"threads, runs of {meta['steps_per_run']} local steps round robin over the workers, "
-        f"cloud_share {meta['cloud_share']}; llama-server {meta['llama_server_version']} "
-        f"{' '.join(meta['box_flags'])}"
-        + "".join(f", {name} {meta[name]}" for name in ("smg", "postgres") if name in meta)
+        f"cloud_share {meta['cloud_share']}; llama-server {llama} {' '.join(meta['box_flags'])}"
+        + (f", {meta['smg']}" if "smg" in meta else "")
+        + (f", Postgres {meta['postgres']}" if "postgres" in meta else "")
     )
     print(format_workers_table(result["variants"]))
     print(f"Check (shared placement <= {SHARED_OVER_MINIMUM:.2f} × minimum):")
