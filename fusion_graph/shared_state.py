@@ -11,6 +11,8 @@ memory must then live where every worker reads it (``shared_state="postgres"``):
   worker; a change is pushed with ``NOTIFY`` and read back periodically;
 - **memory job claims**: a pending memory job is run by exactly one worker at a
   time, taken over when its lease lapses, and finished (written) once;
+- **the reflection slot**: requests of several processes on one box's
+  reflection slot (memory jobs) take turns (``slot_turn``);
 - **thread runs**: a session advisory lock per running thread, so a second
   concurrent run of one thread on a shared checkpointer is refused; Postgres
   drops the lock with the connection of a process that dies.
@@ -447,6 +449,35 @@ class SharedState:
             )
             rows = await cursor.fetchall()
         return {str(k): (str(o), int(a), bool(d), bool(live)) for k, o, a, d, live in rows}
+
+    # -- one request at a time on a shared slot -----------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def slot_turn(self, pool: str, box: str, slot: int) -> AsyncIterator[None]:
+        """Hold ``box``'s ``slot`` for one request (waiting for another process's request on it).
+
+        llama-server defers a request whose ``id_slot`` names a slot that is still
+        busy, and with its host prompt cache on (``--cache-ram``) a deferred request
+        can leave that slot processing forever; the reflection slot is the one slot
+        several processes send to at once, so its requests take turns.
+        """
+        held = await self._on_loop(self._lock_slot(pool, box, slot))
+        try:
+            yield
+        finally:
+            await self._on_loop(self._unlock_thread(held))
+
+    async def _lock_slot(self, pool: str, box: str, slot: int) -> Any:
+        import psycopg
+
+        await self._connected()
+        conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        try:
+            await conn.execute("SELECT pg_advisory_lock(%s)", (lock_key(f"fusion-slot:{pool}:{box}:{slot}"),))
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
 
     # -- thread runs --------------------------------------------------------------------------
 

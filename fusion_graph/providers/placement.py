@@ -18,9 +18,11 @@ to that box, so boxes fill evenly whatever a gateway's tie-breaking does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,6 +48,8 @@ class Placement:
         box: The box the placer chose (``None``: the gateway places it).
         notes: What the record keeps about the placement (``extra``), e.g. a fallback's reason.
         model: The model that reaches ``box`` directly (``None``: the link's own model).
+        turn: Held around the request when other processes send to the same slot: their
+            requests on it take turns (``None``: nobody else sends to it).
     """
 
     slot: int | None = None
@@ -54,6 +58,8 @@ class Placement:
     notes: Mapping[str, Any] = field(default_factory=dict)
     model: BaseChatModel | None = None
     """The model that reaches ``box`` directly (``None``: the link's own model)."""
+    turn: Callable[[], AbstractAsyncContextManager[None]] | None = None
+    """Held around the request when other processes send to the same slot (the reflection slot)."""
 
     def body(self, leg: Leg) -> dict[str, Any] | None:
         """The request-body fields of the placement (``slot_body``); ``None`` off a local slot."""
@@ -249,6 +255,7 @@ class SharedPlacement:
             return NOWHERE
         pool, boxes = self._pool(link)
         holder = routing_key(thread_id)
+        turn: Callable[[], AbstractAsyncContextManager[None]] | None = None
         try:
             if reflection:
                 slots = await self.fallback.pool(link)
@@ -257,6 +264,7 @@ class SharedPlacement:
                 known = self._held.get((pool, holder))
                 box = known[0].box if known is not None else await self.state.box_of(pool, holder)
                 claim = SlotClaim(box or boxes[0], slots.reflection_slot)
+                turn = functools.partial(self.state.slot_turn, pool, claim.box, claim.slot)
             else:
                 found = await self._claim(link, pool, boxes, holder)
                 if found is None:
@@ -268,14 +276,18 @@ class SharedPlacement:
             return dataclasses.replace(placed, notes={"placement": f"in-process: {error}"})
         model = await self.box_model(claim.box) if self.box_model is not None and len(boxes) > 1 else None
         notes: dict[str, Any] = {"placement": "shared", "box": claim.box}
+        slot: int | None = claim.slot
         if claim.guest:
-            notes["guest"] = True  # every slot was held: this request borrows the least recently used one
+            # Every slot is held: no slot is named (llama-server takes an idle one, or queues the
+            # request), since a request naming a busy slot can hang it when its prompt cache is on.
+            notes["guest"], slot = True, None
         return Placement(
-            slot=claim.slot,
+            slot=slot,
             headers=self.fallback.headers(link, thread_id),
             box=claim.box,
             notes=notes,
             model=model,
+            turn=turn,
         )
 
     async def served(self, link: ChainLink, thread_id: str, box: str) -> str | None:

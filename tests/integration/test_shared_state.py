@@ -125,3 +125,24 @@ async def test_an_unreachable_database_is_reported_at_once_after_the_first_failu
         assert time.monotonic() - began < 1.0  # no second wait for the same dead database
     finally:
         await state.aclose()
+
+
+async def test_requests_on_one_shared_slot_take_turns_across_workers(
+    pair: tuple[SharedState, SharedState],
+) -> None:
+    a, b = pair
+    order: list[str] = []
+
+    async def job(state: SharedState, name: str, hold: float) -> None:
+        async with state.slot_turn("gw", "http://box-a:8080", 8):
+            order.append(f"{name} in")
+            await asyncio.sleep(hold)
+            order.append(f"{name} out")
+
+    first = asyncio.create_task(job(a, "a", 0.5))
+    await asyncio.sleep(0.2)  # a holds the slot
+    await asyncio.gather(first, job(b, "b", 0.0))
+    assert order == ["a in", "a out", "b in", "b out"]  # b waited for a's request to end
+    async with b.slot_turn("gw", "http://box-a:8080", 7):  # another slot is not held up
+        async with a.slot_turn("gw", "http://box-b:8080", 8):
+            pass
