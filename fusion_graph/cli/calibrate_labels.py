@@ -41,10 +41,11 @@ def read_all(labels: Path | None, db: Path | None) -> tuple[list[Label], str]:
         from fusion_graph.cli.report import stored_route_logs
 
         if not db.is_file():
-            raise fail(f"no checkpoint database at {db} (--labels-from-db reads what `fusion-graph run` wrote)")
+            wrote = "--labels-from-db reads what `fusion-graph run` wrote"
+            raise fail(f"no checkpoint database at {db}: {wrote}")
         with storage(f"--labels-from-db {db}"):
             logs = stored_route_logs(db)
-        found += shadow_labels(logs, trace=db.stem)
+        found += shadow_labels(logs, trace=f"threads:{db.name}")
         where.append(f"shadow checks in {db}")
     if not found:
         raise fail(f"no labelled steps in {' and '.join(where)}")
@@ -62,7 +63,7 @@ def _point(point: RecallPoint) -> dict[str, Any]:
 
 
 def calibrated_context(found: LabelCalibration, given: dict[str, Any]) -> dict[str, Any]:
-    """The run context the fit gives: ``--context``'s fields with the table, share, pace and trouble weights."""
+    """The context the fit gives: ``--context``'s fields with the table, share, pace and trouble weights."""
     chosen = found.chosen.context
     calibrated = {
         **given,
@@ -140,7 +141,8 @@ def _table(found: LabelCalibration, where: str) -> Any:
             f"{row.caught}/{row.disagreeing}",
             f"{row.recall:.3f}",
         )
-    table.add_row("random, at the chosen share", "-", "-", f"{point.share:.3f}", "-", f"{found.random_recall:.3f}")
+    chance = f"{found.random_recall:.3f}"
+    table.add_row("random, at the chosen share", "-", "-", f"{point.share:.3f}", "-", chance)
     return table
 
 
@@ -197,10 +199,10 @@ def calibrate_on_labels(
     if found.unlabelled:
         notes.append(f"{found.unlabelled} step(s) without a label are routed but not counted in recall")
     if grid:
-        measured = f"; the trouble signals were measured on {found.trouble_measured} of {len(found_labels)} steps"
-        notes.append(f"trouble weights: {len(found.candidates)} pairs tried{measured}")
+        measured = f"measured on {found.trouble_measured} of {found.chosen.point.steps} continuation steps"
+        notes.append(f"trouble weights: {len(found.candidates)} pairs tried; the trouble signals {measured}")
     for note in notes:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        console.print(f"note: {note}", highlight=False)
     if plot is not None:
         console.print(f"recall curves written to {plot}", highlight=False, soft_wrap=True)
     console.print("run context (pass as --context, or context= when embedding the graph):")

@@ -76,7 +76,7 @@ def done_keys(out: Path, retry_errors: bool) -> tuple[set[LabelKey], int]:
     except TraceError as error:
         raise fail(f"{error}; --out must be a labels file written by `fusion-graph label`") from error
     kept = [line for line in lines if not (retry_errors and line["agrees"] is None)]
-    keys = {(str(line["trace"]), str(line["trajectory"]), int(line["position"])) for line in kept}
+    keys = {(str(line["trace"]), int(line["line"]), int(line["position"])) for line in kept}
     return keys, sum(line["agrees"] is True for line in kept)
 
 

@@ -9,7 +9,12 @@
 - ``shares``: recorded scores re-routed under any dial, and the shares of steps and cost it gives
 - ``calibration``: fit the dial on recorded trajectories
 - ``evaluation``: measure a calibration on held-out trajectories (halves, rank statistics)
+- ``labels``: offline labels (did the local model take the recorded action?): the steps to ask,
+  the lines written and read back, shadow checks as labels
+- ``labelling``: ask the local model each recorded step through the graph's ``ask``, a label each
+- ``disagreement``: fit the dial on labels, to send the steps the local model gets wrong to cloud
 - ``plot``: timelines, a summary of many trajectories, calibration curves (needs the ``plot`` extra)
+- ``label_plot``: recall of disagreeing steps against the share on cloud, per dial (``plot`` extra)
 """
 
 from fusion_graph.replay.history import ReplayedStep, route_history

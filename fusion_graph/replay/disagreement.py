@@ -157,7 +157,7 @@ class LabelCalibration:
     plans: int
     plans_disagreeing: int
     trouble_measured: int
-    """Steps whose labels carry the trouble signals (the trouble terms score 0 on the others)."""
+    """Continuation steps whose labels carry the trouble signals (on the others the terms score 0)."""
     curves: dict[str, list[RecallPoint]] = field(default_factory=dict)
     """With ``curves=True``: every ``cloud_share`` 0-100 for ``chosen``, ``seed`` and ``paced``."""
 
@@ -264,6 +264,6 @@ def calibrate_labels(
         unlabelled=sum(label.agrees is None for label in labels),
         plans=len(plans),
         plans_disagreeing=sum(label.agrees is False for label in plans),
-        trouble_measured=sum(isinstance(label.signals, TroubleSignals) for label in labels),
+        trouble_measured=sum(isinstance(label.signals, TroubleSignals) for label in continuation),
         curves=drawn,
     )

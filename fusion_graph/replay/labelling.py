@@ -25,7 +25,8 @@ from typing import Any
 
 from fusion_graph.errors import ChainExhausted, ProviderRequestError
 from fusion_graph.providers.ask import Ask, Bounds, ask
-from fusion_graph.providers.chain import ChainLink, ProviderChain
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import Placer
 from fusion_graph.records import same_action
 from fusion_graph.redact import scrub
@@ -177,7 +178,8 @@ async def label_all(
         nonlocal started
         while not queue.empty():
             steps = queue.get_nowait()
-            trace, trajectory, _ = steps[0].key
+            trace, record, _ = steps[0].key
+            thread_id = f"label:{trace}:{record}"  # one thread a trajectory: its own slot and cache
             for item in steps:
                 if limit is not None and started >= limit:
                     return
@@ -186,7 +188,7 @@ async def label_all(
                     item,
                     chain=chain,
                     placer=placer,
-                    thread_id=f"label:{trace}:{trajectory}",
+                    thread_id=thread_id,
                     max_tokens=max_tokens,
                     timeout_s=timeout_s,
                     window=window,

@@ -3,7 +3,7 @@
 ``fusion-graph label`` asks the operator's local model every step (assistant
 message) of a strong model's recorded trajectories, with the prompt and tools
 that step had, and writes one JSONL line per step (``label_line``): where the
-step is (trace, trajectory, position, turn, step), its score under the routing
+step is (trace, line, trajectory, position, turn, step), its score under the routing
 rule with the signals it was scored from, the recorded action, the local
 model's action and whether they are the same (``records.same_action``; ``null``
 with the error when the local model gave no answer). ``fusion-graph calibrate
@@ -42,8 +42,10 @@ TOOL_SOURCES: tuple[ToolSource, ...] = ("recorded", "inferred")
 #: The fields of a step's signals without the trouble signals (``routing.StepSignals``).
 SEED_FIELDS = tuple(field.name for field in dataclasses.fields(StepSignals))
 
-LabelKey = tuple[str, str, int]
-"""Where a step is: its trace file's stem, its trajectory's id, the assistant message's position."""
+LabelKey = tuple[str, int, int]
+"""Where a step is: its trace file's stem, its record's line there, the assistant message's position.
+
+The line, not the record's ``id``: ids repeat in some trace files, lines do not."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class StepToLabel:
     """One recorded step, ready to be asked of the local model.
 
     Attributes:
-        key: Trace, trajectory and position (``LabelKey``).
+        key: Trace, line and position (``LabelKey``).
+        trajectory: The trajectory's id.
         turn: Index of the turn in the trajectory.
         step: Index of the step in its turn (0: the plan).
         prompt: What the step sends: the trace's system prompt, then the history before it.
@@ -62,6 +65,7 @@ class StepToLabel:
     """
 
     key: LabelKey
+    trajectory: str
     turn: int
     step: int
     prompt: tuple[BaseMessage, ...]
@@ -189,7 +193,8 @@ def steps_to_label(
         assert isinstance(recorded, AIMessage)  # route_history routes assistant messages only
         found.append(
             StepToLabel(
-                key=(trajectory.file, trajectory.id, item.position),
+                key=(trajectory.file, trajectory.line, item.position),
+                trajectory=trajectory.id,
                 turn=max(turn, 0),
                 step=item.step,
                 prompt=tuple(build_prompt(system_prompt, body[: item.position - offset])),
@@ -213,10 +218,11 @@ def label_line(
     latency_s: float | None = None,
 ) -> dict[str, Any]:
     """The JSONL line of a labelled step (``agrees``: ``None`` when the local model gave no answer)."""
-    trace, trajectory, position = step.key
+    trace, line, position = step.key
     return {
         "trace": trace,
-        "trajectory": trajectory,
+        "line": line,
+        "trajectory": step.trajectory,
         "position": position,
         "turn": step.turn,
         "step": step.step,
@@ -239,6 +245,8 @@ class Label:
     """One labelled step as calibration reads it: where it is, its signals, whether the local model agreed."""
 
     trace: str
+    line: int
+    """The trajectory's line in its trace file (its thread's place in a store)."""
     trajectory: str
     position: int
     turn: int
@@ -250,8 +258,8 @@ class Label:
 
     @property
     def key(self) -> LabelKey:
-        """Trace, trajectory and position."""
-        return (self.trace, self.trajectory, self.position)
+        """Trace, line and position."""
+        return (self.trace, self.line, self.position)
 
 
 def signals_from(data: Mapping[str, Any]) -> StepSignals:
@@ -278,6 +286,7 @@ def parse_label(data: Any) -> Label:
             raise ValueError(f"'agrees' must be true, false or null, got {agrees!r}")
         return Label(
             trace=str(data["trace"]),
+            line=int(data["line"]),
             trajectory=str(data["trajectory"]),
             position=int(data["position"]),
             turn=int(data["turn"]),
@@ -335,7 +344,7 @@ def shadow_labels(route_logs: Mapping[str, Sequence[RouteRecord]], *, trace: str
     are not routed by the score and are left out.
     """
     found = []
-    for thread, records in route_logs.items():
+    for line, (thread, records) in enumerate(route_logs.items(), start=1):
         checks: dict[tuple[int, int], bool | None] = {}
         for record in records:
             shadow = record["extra"].get("shadow") if record["kind"] == "shadow" else None
@@ -348,6 +357,7 @@ def shadow_labels(route_logs: Mapping[str, Sequence[RouteRecord]], *, trace: str
             found.append(
                 Label(
                     trace=trace,
+                    line=line,
                     trajectory=thread,
                     position=position,
                     turn=record["turn"],
@@ -362,7 +372,7 @@ def shadow_labels(route_logs: Mapping[str, Sequence[RouteRecord]], *, trace: str
 
 def label_trajectories(labels: Iterable[Label]) -> list[list[Label]]:
     """Labels grouped by trajectory (first seen first), each in the order of its steps."""
-    grouped: dict[tuple[str, str], list[Label]] = {}
+    grouped: dict[tuple[str, int], list[Label]] = {}
     for label in labels:
-        grouped.setdefault((label.trace, label.trajectory), []).append(label)
+        grouped.setdefault((label.trace, label.line), []).append(label)
     return [sorted(steps, key=lambda label: label.position) for steps in grouped.values()]

@@ -428,16 +428,20 @@ async def test_consecutive_turns_of_a_thread_run_in_different_workers(
         assert [(a.attempt, a.outcome) for a in server.run_attempts(turn.run_id)] == [(1, "success")]
 
 
+@pytest.mark.parametrize("state", ["in-process", "shared"])
 @pytest.mark.parametrize("mode", ["wait", "stream"])
 async def test_a_worker_killed_mid_run_leaves_the_run_to_the_other_which_finishes_it_from_the_checkpoint(
-    start_langgraph_server: StartServer, fakes: Fakes, mode: str
+    start_langgraph_server: StartServer, fakes: Fakes, mode: str, state: str
 ) -> None:
     """Plan (cloud) and tool ran and were checkpointed; the local step is in flight when its worker dies.
 
     The caller talks to the surviving worker, kept busy meanwhile so the run can only start in the
     other; once the other is killed and the survivor freed, the survivor's sweep re-queues the run.
+    With shared state the killed worker held the thread's run lock: it goes with its connection,
+    so the takeover is not refused.
     """
-    server = start_langgraph_server(fakes.env(), workers=2)
+    env = fakes.env() | ({"FUSION_SHARED_STATE": "postgres"} if state == "shared" else {})
+    server = start_langgraph_server(env, workers=2)
     survivor, doomed = 0, 1
     client: Any = get_client(url=server.url(survivor))  # the caller's connection: the worker that lives
     assistant = await assistant_of(client)

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from fusion_graph import routing
+from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.errors import ContextError
 from fusion_graph.routing import (
     QUANTILE_TABLE_LENGTH,
     TROUBLE_WEIGHTS,
@@ -25,6 +27,7 @@ from fusion_graph.routing import (
     TroubleScore,
     TroubleSignals,
     check_score_quantiles,
+    check_trouble_weights,
     cloud_threshold,
     decide_leg,
     hysteresis_band,
@@ -824,3 +827,47 @@ def test_trouble_signals_know_when_the_latch_holds() -> None:
     assert not base.held
     assert dataclasses.replace(base, latched=2).held
     assert not dataclasses.replace(base, latched=2, progress=True).held
+
+
+def test_trouble_weights_replace_the_default_points_of_the_trouble_terms() -> None:
+    signals = troubled(0.5, 0.5, prompt_tokens=250)  # 10 points of pressure
+    weighted = score_step(signals, check_trouble_weights({"error_severity": 80, "no_progress": 0}))
+    assert weighted.breakdown()["error_severity"] == 40 and weighted.breakdown()["no_progress"] == 0
+    assert weighted.points == 50 and weighted.base_points == score_step(signals).base_points
+    assert score_step(signals, None) == score_step(signals)  # None: TROUBLE_WEIGHTS
+    decision = decide_leg(
+        mode="fusion",
+        step=2,
+        current_leg="local",
+        score=weighted,
+        cloud_share=70,
+        latch=Latch(),
+        trouble_weights={"error_severity": 80, "no_progress": 0},
+    )
+    assert "error severity 0.5 × 80 = 40" in decision.reason and "no progress off" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("weights", "says"),
+    [
+        ({"errors": 1}, "no term 'errors'"),
+        ({"no_progress": 101}, "whole number 0-100"),
+        ({"no_progress": 2.5}, "got 2.5"),
+    ],
+)
+def test_trouble_weights_outside_the_terms_or_the_scale_are_refused(
+    weights: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        check_trouble_weights(weights)
+    with pytest.raises(ContextError, match="trouble_weights"):
+        ensure_context({"trouble_weights": weights})
+    assert check_trouble_weights({"no_progress": 10}) == {
+        "error_severity": TROUBLE_WEIGHTS["error_severity"],
+        "no_progress": 10,
+    }
+    from_env: Any = '{"error_severity": 5}'  # JSON text, as FUSION_TROUBLE_WEIGHTS gives it
+    assert FusionContext(trouble_weights=from_env).trouble_weights == {
+        "error_severity": 5,
+        "no_progress": TROUBLE_WEIGHTS["no_progress"],
+    }

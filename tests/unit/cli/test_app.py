@@ -21,6 +21,7 @@ LAZY_MODULES = (
     "agreement.py",
     "app.py",
     "calibrate.py",
+    "calibrate_labels.py",
     "checks.py",
     "common.py",
     "doctor/__init__.py",
@@ -32,6 +33,7 @@ LAZY_MODULES = (
     "doctor/props.py",
     "doctor/rows.py",
     "doctor/workspace.py",
+    "label.py",
     "live.py",
     "prices.py",
     "replay.py",
@@ -62,7 +64,7 @@ def test_help_as_a_process_lists_the_commands() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "Usage: fusion-graph" in done.stdout and "--version" in done.stdout
-    for command in ("run", "replay", "calibrate", "report"):
+    for command in ("run", "replay", "calibrate", "label", "report"):
         assert f" {command} " in done.stdout
 
 
