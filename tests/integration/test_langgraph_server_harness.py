@@ -428,10 +428,10 @@ async def test_consecutive_turns_of_a_thread_run_in_different_workers(
         assert [(a.attempt, a.outcome) for a in server.run_attempts(turn.run_id)] == [(1, "success")]
 
 
-@pytest.mark.parametrize("state", ["in-process", "shared"])
+@pytest.mark.parametrize("sharing", ["in-process", "shared"])
 @pytest.mark.parametrize("mode", ["wait", "stream"])
 async def test_a_worker_killed_mid_run_leaves_the_run_to_the_other_which_finishes_it_from_the_checkpoint(
-    start_langgraph_server: StartServer, fakes: Fakes, mode: str, state: str
+    start_langgraph_server: StartServer, fakes: Fakes, mode: str, sharing: str
 ) -> None:
     """Plan (cloud) and tool ran and were checkpointed; the local step is in flight when its worker dies.
 
@@ -440,7 +440,7 @@ async def test_a_worker_killed_mid_run_leaves_the_run_to_the_other_which_finishe
     With shared state the killed worker held the thread's run lock: it goes with its connection,
     so the takeover is not refused.
     """
-    env = fakes.env() | ({"FUSION_SHARED_STATE": "postgres"} if state == "shared" else {})
+    env = fakes.env() | ({"FUSION_SHARED_STATE": "postgres"} if sharing == "shared" else {})
     server = start_langgraph_server(env, workers=2)
     survivor, doomed = 0, 1
     client: Any = get_client(url=server.url(survivor))  # the caller's connection: the worker that lives
