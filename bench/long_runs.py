@@ -48,7 +48,7 @@ from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.providers.slots import SlotPool
 from fusion_graph.replay.history import split_system
 from fusion_graph.replay.traces import RecordedTrajectory, load_trajectories
-from fusion_graph.routing import DEFAULT_CLOUD_SHARE, Leg
+from fusion_graph.score import DEFAULT_CLOUD_SHARE, Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import approximate_tokens, build_prompt
 from fusion_graph.state import PromptAnchor, State

@@ -46,7 +46,7 @@ from fusion_graph.replay.history import ReplayedStep
 from fusion_graph.replay.replayed import replay_trajectory
 from fusion_graph.replay.shares import ScoredStep, route_scores, scored_steps
 from fusion_graph.replay.traces import RecordedTrajectory, families, load_trajectories
-from fusion_graph.routing import TroubleSignals
+from fusion_graph.score import TroubleSignals
 from fusion_graph.trouble import ERROR_UNIT
 
 #: Design-rule dials the routing table shows (30 is the default).

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fusion_graph.records import RouteRecord, money
-from fusion_graph.routing import RouteDecision
+from fusion_graph.score import RouteDecision
 
 
 @dataclass(frozen=True)

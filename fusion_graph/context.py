@@ -28,12 +28,12 @@ from pydantic_core import ArgsKwargs
 from fusion_graph import prompts
 from fusion_graph.errors import ContextError
 from fusion_graph.ranges import between
-from fusion_graph.routing import (
+from fusion_graph.routing import check_score_quantiles
+from fusion_graph.score import (
     DEFAULT_CLOUD_SHARE,
     DEFAULT_HYSTERESIS,
     TROUBLE_WEIGHTS,
     Mode,
-    check_score_quantiles,
     check_trouble_weights,
 )
 from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS

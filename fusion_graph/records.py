@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 # LangGraph server's schema endpoint rejects the latter.
 from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
-from fusion_graph.routing import Leg, RouteDecision, StepSignals
+from fusion_graph.score import Leg, RouteDecision, StepSignals
 
 if TYPE_CHECKING:
     from langchain_core.messages import AIMessage

@@ -35,11 +35,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fusion_graph.errors import ProviderConfigError
 from fusion_graph.redact import scrub
+from fusion_graph.slot_leases import LeaseRow, SlotClaim, choose_slot
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,66 +92,6 @@ CREATE TABLE IF NOT EXISTS fusion_job_claims (
 def lock_key(text: str) -> int:
     """A signed 64-bit advisory lock key for ``text`` (stable across processes)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
-
-
-@dataclass(frozen=True)
-class SlotClaim:
-    """Where a thread's local requests go.
-
-    Attributes:
-        box: The box (a llama-server base URL without ``/v1``).
-        slot: The slot on it.
-        guest: Every slot is held by a live thread: the request runs on the least
-            recently used one without holding it (its holder keeps it).
-        expires_in_s: Seconds the lease has left (0 for a guest).
-    """
-
-    box: str
-    slot: int
-    guest: bool = False
-    expires_in_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class LeaseRow:
-    """One row of the slot table as the claim sees it."""
-
-    box: str
-    slot: int
-    holder: str
-    live: bool
-    used_at: float
-
-
-def choose_slot(
-    rows: Sequence[LeaseRow], boxes: Sequence[str], slots: int, holder: str, preferred: int
-) -> SlotClaim:
-    """Pure: the (box, slot) a thread gets, given the pool's rows (``claim_slot`` runs it under a lock).
-
-    The thread's own live lease first; else its own lapsed one if nobody took
-    the slot since (its cache may still be there); else a free slot on the
-    box with the fewest live threads, probing from ``preferred``; else it is
-    a guest on the least recently used slot of the least loaded box.
-    """
-    taken = {(row.box, row.slot): row for row in rows if row.live}
-    for row in rows:
-        if row.holder == holder and row.live:
-            return SlotClaim(row.box, row.slot)
-    for row in sorted(rows, key=lambda r: -r.used_at):
-        if row.holder == holder and (row.box, row.slot) not in taken:
-            return SlotClaim(row.box, row.slot)
-    load = {box: 0 for box in boxes}
-    for box, _ in taken:
-        if box in load:
-            load[box] += 1
-    for box in sorted(boxes, key=lambda b: (load[b], boxes.index(b))):
-        for offset in range(slots):
-            slot = (preferred + offset) % slots
-            if (box, slot) not in taken:
-                return SlotClaim(box, slot)
-    fewest = min(boxes, key=lambda b: (load[b], boxes.index(b)))
-    oldest = min((row for row in taken.values() if row.box == fewest), key=lambda r: r.used_at)
-    return SlotClaim(oldest.box, oldest.slot, guest=True)
 
 
 class SharedState:

@@ -16,7 +16,7 @@ from langgraph.graph.message import add_messages
 from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
 from fusion_graph.records import DecisionFields, RouteRecord, add_totals
-from fusion_graph.routing import Leg
+from fusion_graph.score import Leg
 
 
 class PendingRoute(DecisionFields):

@@ -1,11 +1,11 @@
 """Trouble signals: is the turn going wrong? Error severity, no progress and progress events (pure).
 
-The seed's four terms (``routing.score_step``) say how far along and how heavy
+The seed's four terms (``score.score_step``) say how far along and how heavy
 a step is; these say whether the agent is stuck. Each is a pure function of the
 turn's messages (after the user's message), so the ``route`` node, replay,
 calibration and the plot measure them alike: ``turn.next_route`` calls
 ``turn_trouble`` when ``FusionContext.trouble_signals`` is on, and
-``routing.score_step`` weighs what it returns (``routing.TROUBLE_WEIGHTS``).
+``score.score_step`` weighs what it returns (``score.TROUBLE_WEIGHTS``).
 
 - **Error severity** (0-1). Every tool result of the turn is classed
   (``result_kind``): an *error* is a ``ToolMessage`` with ``status="error"``

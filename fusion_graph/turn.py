@@ -17,17 +17,8 @@ from langchain_core.tools import BaseTool
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.records import RouteRecord
-from fusion_graph.routing import (
-    Latch,
-    Pace,
-    RouteDecision,
-    StepScore,
-    StepSignals,
-    TroubleScore,
-    TroubleSignals,
-    decide_leg,
-    score_step,
-)
+from fusion_graph.routing import Latch, Pace, decide_leg
+from fusion_graph.score import RouteDecision, StepScore, StepSignals, TroubleScore, TroubleSignals, score_step
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.history_memo import HistoryMemo

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.traces import is_swe_file
-from fusion_graph.routing import Leg
+from fusion_graph.score import Leg
 
 #: Targets, judged on the SWE-agent traces.
 TARGET_FUSION_OVER_MINIMUM = 1.10

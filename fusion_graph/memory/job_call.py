@@ -24,7 +24,7 @@ from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import Placement, Placer
 from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
-from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.score import Leg, RouteDecision
 
 logger = logging.getLogger(__name__)
 

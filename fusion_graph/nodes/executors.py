@@ -35,7 +35,7 @@ from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.records import StepKind, add_totals, totals_of, unanswered_record
-from fusion_graph.routing import Leg, RouteDecision, StepSignals
+from fusion_graph.score import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt
 from fusion_graph.state import State

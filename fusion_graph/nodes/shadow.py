@@ -31,7 +31,7 @@ from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.placement import Placer
 from fusion_graph.records import RouteRecord, action, same_action
 from fusion_graph.redact import scrub
-from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.score import Leg, RouteDecision
 
 logger = logging.getLogger(__name__)
 

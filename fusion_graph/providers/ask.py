@@ -44,7 +44,7 @@ from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import NOWHERE, Placement, Placer
 from fusion_graph.providers.pricing import price
 from fusion_graph.records import Attempt, RouteRecord, StepKind, attempt_dict, make_record, unanswered_record
-from fusion_graph.routing import RouteDecision, StepSignals
+from fusion_graph.score import RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
 
 ROUTE_EVENT = "fusion_route"

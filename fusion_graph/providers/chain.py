@@ -45,7 +45,7 @@ from fusion_graph.providers.health import (
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.records import Attempt
 from fusion_graph.redact import scrub, scrub_content
-from fusion_graph.routing import Leg
+from fusion_graph.score import Leg
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

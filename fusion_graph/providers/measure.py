@@ -31,7 +31,7 @@ from fusion_graph.providers.llama_server import count_prompt_tokens
 from fusion_graph.providers.pricing import price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.records import RouteRecord
-from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.score import Leg, RouteDecision
 from fusion_graph.sizing.compaction import Compaction, compact
 from fusion_graph.sizing.estimate import Estimate, fingerprint, leg_estimate, new_anchor
 from fusion_graph.sizing.fit import FitPlan, LinkRoom, completion_budget, conversation_budget, plan_fit

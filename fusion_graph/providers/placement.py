@@ -31,9 +31,10 @@ from langchain_core.language_models import BaseChatModel
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.slots import BoxSlots, SlotPool, box_name, routing_key
-from fusion_graph.routing import Leg
+from fusion_graph.score import Leg
 from fusion_graph.settings import FusionSettings
-from fusion_graph.shared_state import SharedState, SharedStateUnavailable, SlotClaim
+from fusion_graph.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.slot_leases import SlotClaim
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from genai_prices.types import TieredPrices
 
 from fusion_graph.providers.models import Provider, model_name
 from fusion_graph.records import RouteRecord
-from fusion_graph.routing import Leg
+from fusion_graph.score import Leg
 
 MILLION = 1_000_000
 

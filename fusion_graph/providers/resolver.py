@@ -32,7 +32,7 @@ from fusion_graph.providers.models import Provider, build_cloud_model, build_loc
 from fusion_graph.providers.placement import InProcessPlacement, Placer, SharedPlacement
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
 from fusion_graph.providers.slots import BoxSlots, SlotPool
-from fusion_graph.routing import Leg
+from fusion_graph.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.shared_state import SharedState
 

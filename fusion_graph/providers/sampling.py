@@ -50,7 +50,7 @@ from fusion_graph.providers.pricing import price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
-from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import approximate_tokens
 
 if TYPE_CHECKING:

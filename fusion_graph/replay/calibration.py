@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.shares import TARGET_KINDS, Shares, TargetOf, Trace, share_of, shares_of, sweep
-from fusion_graph.routing import QUANTILE_TABLE_LENGTH, Latch, Leg, hysteresis_band, latch_rule
+from fusion_graph.routing import QUANTILE_TABLE_LENGTH, Latch, hysteresis_band, latch_rule
+from fusion_graph.score import Leg
 
 #: Bars are searched on a grid of hundredths of a point (the precision of ``StepScore.points``).
 GRID = 100

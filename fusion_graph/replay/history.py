@@ -18,7 +18,7 @@ from langchain_core.tools import BaseTool
 from fusion_graph.budget import StepPrice, check_budget, cloud_budget, expected_completion
 from fusion_graph.context import FusionContext
 from fusion_graph.records import RouteRecord, StepKind, make_record
-from fusion_graph.routing import Leg, RouteDecision, StepSignals
+from fusion_graph.score import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.state import State, StepTally

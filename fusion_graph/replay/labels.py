@@ -32,14 +32,14 @@ from fusion_graph.errors import TraceError
 from fusion_graph.records import RouteRecord, action
 from fusion_graph.replay.history import route_history, split_system
 from fusion_graph.replay.traces import RecordedTrajectory
-from fusion_graph.routing import StepScore, StepSignals, TroubleSignals, score_step
+from fusion_graph.score import StepScore, StepSignals, TroubleSignals, score_step
 from fusion_graph.sizing.tokens import build_prompt
 
 ToolSource = Literal["recorded", "inferred"]
 """Which tools a step is asked with: the record's own schemas, or those, else ones inferred from its calls."""
 TOOL_SOURCES: tuple[ToolSource, ...] = ("recorded", "inferred")
 
-#: The fields of a step's signals without the trouble signals (``routing.StepSignals``).
+#: The fields of a step's signals without the trouble signals (``score.StepSignals``).
 SEED_FIELDS = tuple(field.name for field in dataclasses.fields(StepSignals))
 
 LabelKey = tuple[str, int, int]

@@ -14,7 +14,7 @@ from fusion_graph.budget import CloudBudget
 from fusion_graph.replay.replayed import ReplayedTrajectory, add_cost, cost_at, replay_budget
 from fusion_graph.replay.resynthesis import RESYNTHESIS_PROMPT_TOKENS, ResynthesisCount, resynthesis_count
 from fusion_graph.replay.traces import StepPrices
-from fusion_graph.routing import RouteDecision, StepSignals, TroubleSignals
+from fusion_graph.score import RouteDecision, StepSignals, TroubleSignals
 
 #: What ``routing`` appends to a decision's reason when the paced dial overruled the band.
 PACED_MARK = "; paced to "

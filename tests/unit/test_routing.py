@@ -10,28 +10,30 @@ from typing import Any
 
 import pytest
 
-from fusion_graph import routing
+from fusion_graph import routing, score
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import ContextError
 from fusion_graph.routing import (
     QUANTILE_TABLE_LENGTH,
+    Latch,
+    Pace,
+    check_score_quantiles,
+    cloud_threshold,
+    decide_leg,
+    hysteresis_band,
+    latch_rule,
+)
+from fusion_graph.score import (
     TROUBLE_WEIGHTS,
     WEIGHTS,
-    Latch,
     Leg,
     Mode,
-    Pace,
     RouteDecision,
     StepScore,
     StepSignals,
     TroubleScore,
     TroubleSignals,
-    check_score_quantiles,
     check_trouble_weights,
-    cloud_threshold,
-    decide_leg,
-    hysteresis_band,
-    latch_rule,
     score_step,
 )
 
@@ -134,8 +136,8 @@ def test_weights_sum_to_100_and_name_every_breakdown_term() -> None:
 
 
 def test_score_reads_the_weights_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(routing.WEIGHTS, "context_pressure", 50)
-    monkeypatch.setitem(routing.WEIGHTS, "tail_growth", 5)
+    monkeypatch.setitem(score.WEIGHTS, "context_pressure", 50)
+    monkeypatch.setitem(score.WEIGHTS, "tail_growth", 5)
     assert score_step(sig(**SATURATED["context_pressure"])).score == 50
     assert score_step(sig(**SATURATED["tail_growth"])).breakdown()["tail_growth"] == 5
 

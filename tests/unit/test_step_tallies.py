@@ -21,7 +21,8 @@ from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.records import RouteRecord, StepKind, make_record
-from fusion_graph.routing import Leg, Pace, RouteDecision
+from fusion_graph.routing import Pace
+from fusion_graph.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import approximate_tokens, message_tokens
 from fusion_graph.state import State, StepTally
 from fusion_graph.tools.batch import call_key, prior_call_counts

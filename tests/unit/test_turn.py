@@ -9,15 +9,8 @@ from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMes
 
 from fusion_graph.context import FusionContext
 from fusion_graph.records import RouteRecord, StepKind, make_record
-from fusion_graph.routing import (
-    Leg,
-    Pace,
-    RouteDecision,
-    StepScore,
-    StepSignals,
-    TroubleScore,
-    TroubleSignals,
-)
+from fusion_graph.routing import Pace
+from fusion_graph.score import Leg, RouteDecision, StepScore, StepSignals, TroubleScore, TroubleSignals
 from fusion_graph.state import State
 from fusion_graph.turn import from_pending, next_route, pace_of, to_pending
 

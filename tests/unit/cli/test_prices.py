@@ -17,7 +17,7 @@ from fusion_graph.cli.run import run_task
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.pricing import TokenPrices
 from fusion_graph.records import RouteRecord, make_record
-from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.score import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI
 from tests.plugins.fakes import scripted

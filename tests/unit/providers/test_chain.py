@@ -24,7 +24,7 @@ from fusion_graph.providers.links import ChainLink, close_chat_model, owned_clie
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.records import Attempt
-from fusion_graph.routing import Leg
+from fusion_graph.score import Leg
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.errors import (
     EPOCH,

@@ -30,7 +30,7 @@ from fusion_graph.providers.pricing import (
 )
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.records import RouteRecord, make_record
-from fusion_graph.routing import Leg, RouteDecision
+from fusion_graph.score import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 
 MINI = Pricing.catalog("gpt-4o-mini", provider_id="openai")

@@ -16,7 +16,8 @@ from fusion_graph.providers.models import build_local_model
 from fusion_graph.providers.placement import InProcessPlacement, SharedPlacement
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.settings import FusionSettings
-from fusion_graph.shared_state import LeaseRow, SharedState, choose_slot
+from fusion_graph.shared_state import SharedState
+from fusion_graph.slot_leases import LeaseRow, choose_slot
 
 BOXES = ("http://a", "http://b")
 
