@@ -36,22 +36,31 @@ async def _no_props(link: ChainLink) -> Any:
 
 
 async def timed(placer: Placer, link: ChainLink, threads: Sequence[str], steps: int) -> dict[str, float]:
-    """Microseconds per ``place`` call: each thread's first (a claim where shared), then its steps."""
+    """Microseconds per ``place`` call: each thread's first (a claim where shared), then its steps.
+
+    ``moved`` counts later placements that named another slot than the thread's first:
+    anything but 0 means the figures time the wrong path.
+    """
     first: list[float] = []
     later: list[float] = []
+    slots: dict[str, int | None] = {}
+    moved = 0
     for thread in threads:
         began = time.perf_counter()
-        await placer.place(link, thread)
+        placed = await placer.place(link, thread)
         first.append(time.perf_counter() - began)
+        slots[thread] = placed.slot
     for _ in range(steps):
         for thread in threads:
             began = time.perf_counter()
-            await placer.place(link, thread)
+            placed = await placer.place(link, thread)
             later.append(time.perf_counter() - began)
+            moved += placed.slot != slots[thread]
     return {
         "first_us_median": round(statistics.median(first) * 1e6, 1),
         "later_us_median": round(statistics.median(later) * 1e6, 1),
         "later_us_p99": round(sorted(later)[int(len(later) * 0.99)] * 1e6, 1),
+        "moved": moved,
     }
 
 
@@ -80,14 +89,14 @@ async def measure(url: str, threads: int, steps: int) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     """The result as a Markdown table."""
     lines = [
-        "| placement | thread's first request (median) | later requests (median) | later requests (p99) |",
-        "| --- | --- | --- | --- |",
+        "| placement | thread's first (median) | later (median) | later (p99) | moved |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name in ("in_process", "shared"):
         row = result[name]
         lines.append(
             f"| {name.replace('_', '-')} | {row['first_us_median']:.1f} µs | {row['later_us_median']:.1f} µs "
-            f"| {row['later_us_p99']:.1f} µs |"
+            f"| {row['later_us_p99']:.1f} µs | {row['moved']} |"
         )
     return "\n".join(lines)
 
