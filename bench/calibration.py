@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -53,15 +52,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.traces import DEFAULT_TRACES, REPO_ROOT
+from bench.traces import DEFAULT_TRACES, REPO_ROOT, load_recorded, render_and_write
 from fusion_graph.cli.common import progress
 from fusion_graph.context import DEFAULTS, FusionContext
-from fusion_graph.errors import TraceError
 from fusion_graph.replay.calibration import CALIBRATED_PACE_SLACK, best_plain_share, fit_quantiles, share_for
 from fusion_graph.replay.evaluation import permutation_p, rank_auc, split_halves
 from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
 from fusion_graph.replay.shares import ScoredStep, scored_steps, share_of
-from fusion_graph.replay.traces import RecordedTrajectory, families, load_trajectories
+from fusion_graph.replay.traces import RecordedTrajectory, families
 
 TARGETS = (0.1, 0.2, 0.3, 0.5)
 GOAL_MAE = 0.03
@@ -438,10 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = [float(t) for t in args.targets.split(",")]
     kinds = variants([float(s) for s in args.slacks.split(",") if s.strip()])
     err = Console(stderr=True)
-    try:
-        trajectories = load_trajectories(args.traces)
-    except TraceError as error:
-        err.print(f"[bold red]error:[/] {error}. The shared traces are expected at {DEFAULT_TRACES}.")
+    trajectories = load_recorded(args.traces, err)
+    if trajectories is None:
         return 2
     started = time.perf_counter()
     base = FusionContext(mode="fusion", hysteresis=args.hysteresis)
@@ -517,11 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "splits": [dataclasses.asdict(r) for r in results],
     }
-    out = Console()
-    render(report, out if out.is_terminal else Console(width=200))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2), encoding="utf-8")
-        err.print(f"results written to {args.out}")
+    render_and_write(report, render, width=200, out=args.out, err=err)
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -61,6 +60,7 @@ from bench.traces import (
     load_traces,
     select_quick,
     trace_files,
+    write_results,
 )
 from fusion_graph import memory, prompts
 from fusion_graph.memory import job_call
@@ -524,10 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Target: from a thread's second job on, >= {TARGET:.0%} of each job's prompt cached "
         f"(goal {GOAL:.0%})."
     )
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"JSON written to {args.out}")
+    write_results(result, args.out)
     return 0
 
 

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusion_graph.errors import TraceError
-from fusion_graph.replay.traces import parse_records, trace_files
+from fusion_graph.replay.traces import RecordedTrajectory, load_trajectories, parse_records, trace_files
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["TraceError", "Trajectory", "explained", "load_traces", "trace_files"]
 
@@ -121,3 +125,47 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a subset: {QUICK_SWE} trajectories per SWE-agent file, {QUICK_OTHER} per other file",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+
+
+def write_results(result: Mapping[str, Any], out: Path | None) -> None:
+    """``--out`` of the server benchmarks: ``result`` as indented JSON (folders made), and where it went.
+
+    One writer, so every server benchmark's JSON ends the same way and says so in the same words.
+    """
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"JSON written to {out}")
+
+
+def load_recorded(traces: Sequence[Path], err: Console) -> list[RecordedTrajectory] | None:
+    """``load_trajectories(traces)``, or ``None`` after saying on ``err`` why not and where the shared
+    traces are expected (the replay-only benchmarks, ``bench.calibration`` and ``bench.trouble``)."""
+    try:
+        return load_trajectories(traces)
+    except TraceError as error:
+        err.print(f"[bold red]error:[/] {error}. The shared traces are expected at {DEFAULT_TRACES}.")
+        return None
+
+
+def render_and_write(
+    report: T,
+    render: Callable[[T, Console], None],
+    *,
+    width: int,
+    out: Path | None,
+    err: Console,
+) -> None:
+    """``render(report)`` on the terminal (``width`` columns when stdout is not one), then ``--out``.
+
+    The replay-only benchmarks' ending: their JSON is written as is (no trailing newline) and the
+    line saying where goes to ``err``.
+    """
+    from rich.console import Console
+
+    console = Console()
+    render(report, console if console.is_terminal else Console(width=width))
+    if out:
+        out.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        err.print(f"results written to {out}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -37,15 +36,14 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.calibration import separation
-from bench.traces import DEFAULT_TRACES, REPO_ROOT
+from bench.traces import DEFAULT_TRACES, REPO_ROOT, load_recorded, render_and_write
 from fusion_graph.context import FusionContext
-from fusion_graph.errors import TraceError
 from fusion_graph.replay.calibration import calibrate
 from fusion_graph.replay.evaluation import permutation_p, rank_auc
 from fusion_graph.replay.history import ReplayedStep
 from fusion_graph.replay.replayed import replay_trajectory
 from fusion_graph.replay.shares import ScoredStep, route_scores, scored_steps
-from fusion_graph.replay.traces import RecordedTrajectory, families, load_trajectories
+from fusion_graph.replay.traces import RecordedTrajectory, families
 from fusion_graph.score import TroubleSignals
 from fusion_graph.trouble import ERROR_UNIT
 
@@ -273,18 +271,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     err = Console(stderr=True)
-    try:
-        trajectories = load_trajectories(args.traces)
-    except TraceError as error:
-        err.print(f"[bold red]error:[/] {error}. The shared traces are expected at {DEFAULT_TRACES}.")
+    trajectories = load_recorded(args.traces, err)
+    if trajectories is None:
         return 2
     report = run(trajectories, FusionContext(mode="fusion"))
     report["meta"]["traces"] = [os.path.relpath(p, REPO_ROOT) for p in args.traces]
-    out = Console()
-    render(report, out if out.is_terminal else Console(width=160))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2), encoding="utf-8")
-        err.print(f"results written to {args.out}")
+    render_and_write(report, render, width=160, out=args.out, err=err)
     return 0
 
 

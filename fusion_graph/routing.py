@@ -24,6 +24,7 @@ from fusion_graph.score import (
     StepScore,
     TroubleScore,
 )
+from fusion_graph.score import Latch as Latch  # defined beside TroubleSignals, which reads it
 
 
 def cloud_threshold(cloud_share: int) -> int:
@@ -131,20 +132,6 @@ def _paced(decision: RouteDecision, pace: Pace | None, cloud_share: int) -> Rout
     return replace(decision, leg=forced, reason=reason)
 
 
-@dataclass(frozen=True)
-class Latch:
-    """The escalation latch as a continuation step finds it (``FusionContext.trouble_signals``).
-
-    ``since`` is the step of the turn whose trouble escalated it to cloud
-    (``None``: not held); ``progress`` says the results since the previous step
-    are a progress event (``trouble.progress_event``), which releases it.
-    The graph keeps ``since`` in ``State.latch``; replay rebuilds it the same way.
-    """
-
-    since: int | None = None
-    progress: bool = False
-
-
 def latch_rule(band: Leg, latch: Latch, *, step: int, for_trouble: bool) -> tuple[Leg, int | None]:
     """The leg and the latch after a continuation step, from the band's leg and the latch it found.
 
@@ -158,7 +145,7 @@ def latch_rule(band: Leg, latch: Latch, *, step: int, for_trouble: bool) -> tupl
     releases cannot latch again. ``decide_leg`` and the calibration fit
     (``replay.calibration.fraction_at``) both apply this rule.
     """
-    if latch.since is not None and not latch.progress:
+    if latch.held:
         return "cloud", latch.since
     if band == "cloud" and for_trouble:
         return "cloud", step
@@ -184,7 +171,6 @@ def _latched(
     step: int,
     escalated: bool,
     base_value: float,
-    base_shown: str,
     weights: Mapping[str, int] | None = None,
 ) -> RouteDecision:
     """``decision`` (the band's) under the escalation latch (``latch_rule``); the reason gives the numbers."""
@@ -200,13 +186,21 @@ def _latched(
         and base_value < decision.threshold
     )
     leg, since = latch_rule(decision.leg, latch, step=step, for_trouble=for_trouble)
-    if since is not None and since == latch.since and not latch.progress:
+    if latch.held:
         words.append(f"latched on cloud since step {since}: no progress event yet")
     elif since == step:
-        words.append(
-            f"without trouble {base_shown} < {decision.threshold:g}: latched on cloud until a progress event"
-        )
+        bars = f"{base_value:g} < {decision.threshold:g}"
+        words.append(f"without trouble {bars}: latched on cloud until a progress event")
     return replace(decision, leg=leg, reason="; ".join(words), latch=since)
+
+
+#: What the band's leg does, by (the step comes from cloud, the band's leg): the reason's last words.
+_BAND_MOVES: dict[tuple[bool, Leg], str] = {
+    (True, "cloud"): "stay on cloud",
+    (True, "local"): "back to local",
+    (False, "cloud"): "escalate to cloud",
+    (False, "local"): "stay local",
+}
 
 
 def decide_leg(
@@ -300,29 +294,19 @@ def decide_leg(
         shown, label = f"{score.score} ({value:g} points)", f"calibrated T={base:g}"
     escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
     half = round(escalate_at - base, 2)
-    if current_leg == "cloud":
-        threshold = stay_down_to
-        if value >= threshold:
-            reason = f"score {shown} >= {threshold:g} ({label} - h={half:g}): stay on cloud"
-            decision = RouteDecision("cloud", score, threshold, reason)
-        else:
-            reason = f"score {shown} < {threshold:g} ({label} - h={half:g}): back to local"
-            decision = RouteDecision("local", score, threshold, reason)
-    else:
-        threshold = escalate_at
-        if value >= threshold:
-            reason = f"score {shown} >= {threshold:g} ({label} + h={half:g}): escalate to cloud"
-            decision = RouteDecision("cloud", score, threshold, reason)
-        else:
-            reason = f"score {shown} < {threshold:g} ({label} + h={half:g}): stay local"
-            decision = RouteDecision("local", score, threshold, reason)
+    on_cloud = current_leg == "cloud"
+    threshold, sign = (stay_down_to, "-") if on_cloud else (escalate_at, "+")
+    leg: Leg = "cloud" if value >= threshold else "local"
+    compared = ">=" if leg == "cloud" else "<"
+    reason = (
+        f"score {shown} {compared} {threshold:g} ({label} {sign} h={half:g}): {_BAND_MOVES[on_cloud, leg]}"
+    )
     decision = _latched(
-        decision,
+        RouteDecision(leg, score, threshold, reason),
         latch,
         step=step,
-        escalated=current_leg != "cloud",
+        escalated=not on_cloud,
         base_value=base_value,
-        base_shown=f"{base_value:g}",
         weights=trouble_weights,
     )
     return _paced(decision, pace, cloud_share)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Leg = Literal["local", "cloud"]
 Mode = Literal["cloud", "local", "fusion"]
@@ -101,6 +101,26 @@ class StepSignals:
 
 
 @dataclass(frozen=True)
+class Latch:
+    """The escalation latch as a continuation step finds it (``FusionContext.trouble_signals``).
+
+    ``since`` is the step of the turn whose trouble escalated it to cloud
+    (``None``: not held); ``progress`` says the results since the previous step
+    are a progress event (``trouble.progress_event``), which releases it.
+    The graph keeps ``since`` in ``State.latch``; replay rebuilds it the same way.
+    ``routing.latch_rule`` applies it; it lives here so ``TroubleSignals`` can read it.
+    """
+
+    since: int | None = None
+    progress: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Whether it holds the step on cloud: set, and no progress event released it."""
+        return self.since is not None and not self.progress
+
+
+@dataclass(frozen=True)
 class TroubleSignals(StepSignals):
     """``StepSignals`` with the trouble signals (``FusionContext.trouble_signals``; ``fusion_graph.trouble``).
 
@@ -120,9 +140,14 @@ class TroubleSignals(StepSignals):
     latched: int | None
 
     @property
+    def latch(self) -> Latch:
+        """The escalation latch the step finds."""
+        return Latch(self.latched, self.progress)
+
+    @property
     def held(self) -> bool:
-        """Whether the latch holds the step on cloud: it came in latched, no progress event released it."""
-        return self.latched is not None and not self.progress
+        """Whether the latch holds the step on cloud (``Latch.held``)."""
+        return self.latch.held
 
 
 @dataclass(frozen=True)
@@ -140,23 +165,23 @@ class StepScore:
         return {name: value for name, value in vars(self).items() if name != "score"}
 
     @property
+    def base_points(self) -> float:
+        """The points of the seed's four terms alone, to 2 decimals: what the step scores without trouble."""
+        return round(self.context_pressure + self.turn_depth + self.transient_notice + self.tail_growth, 2)
+
+    @property
     def points(self) -> float:
-        """The total before rounding to ``score``: the sum of the terms, to 2 decimals.
+        """The total before rounding to ``score``: the sum of the terms, to 2 decimals (``base_points`` here).
 
         The calibrated dial compares this, so steps that share an integer score
         can still be told apart.
         """
-        return round(self.context_pressure + self.turn_depth + self.transient_notice + self.tail_growth, 2)
+        return self.base_points
 
     @property
     def trouble(self) -> float:
         """Points of the trouble terms (0: scored without them)."""
         return 0.0
-
-    @property
-    def base_points(self) -> float:
-        """The points of the seed's four terms alone (``points`` here)."""
-        return self.points
 
 
 @dataclass(frozen=True)
@@ -180,10 +205,18 @@ class TroubleScore(StepScore):
         """Points of the two trouble terms."""
         return round(self.error_severity + self.no_progress, 2)
 
-    @property
-    def base_points(self) -> float:
-        """The points of the seed's four terms alone: what the step scores without trouble."""
-        return round(self.context_pressure + self.turn_depth + self.transient_notice + self.tail_growth, 2)
+
+def signals_type(data: Mapping[str, Any]) -> type[StepSignals]:
+    """The signals class of recorded ``signals`` data: ``TroubleSignals`` when it has the trouble signals.
+
+    One rule for every reader of records (``turn.from_pending``, replay's labels).
+    """
+    return TroubleSignals if "error_severity" in data else StepSignals
+
+
+def score_type(breakdown: Mapping[str, Any]) -> type[StepScore]:
+    """The score class of a recorded ``breakdown``: ``TroubleScore`` when it has the trouble terms."""
+    return TroubleScore if "error_severity" in breakdown else StepScore
 
 
 @dataclass(frozen=True)

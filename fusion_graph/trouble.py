@@ -3,9 +3,11 @@
 The seed's four terms (``score.score_step``) say how far along and how heavy
 a step is; these say whether the agent is stuck. Each is a pure function of the
 turn's messages (after the user's message), so the ``route`` node, replay,
-calibration and the plot measure them alike: ``turn.next_route`` calls
-``turn_trouble`` when ``FusionContext.trouble_signals`` is on, and
-``score.score_step`` weighs what it returns (``score.TROUBLE_WEIGHTS``).
+calibration and the plot measure them alike: ``turn.next_route`` measures
+them when ``FusionContext.trouble_signals`` is on, and ``score.score_step``
+weighs them (``score.TROUBLE_WEIGHTS``). ``turn_trouble`` folds a whole turn;
+a route step instead extends the previous step's ``TurnFold`` (``fold_turn``)
+over its new messages, so its cost does not grow with the turn.
 
 - **Error severity** (0-1). Every tool result of the turn is classed
   (``result_kind``): an *error* is a ``ToolMessage`` with ``status="error"``
@@ -34,9 +36,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
 from typing import Any, Literal
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
@@ -152,24 +155,90 @@ class Batch:
             for fresh, call_id in zip(self.new, self.ids, strict=True)
         )
 
+    def copy(self) -> Batch:
+        """A copy to add results to: a remembered batch is never changed."""
+        return Batch(list(self.keys), list(self.new), list(self.ids), dict(self.results))
+
+
+@dataclass(frozen=True)
+class TurnFold:
+    """What a turn's messages fold to, so a longer turn folds only its new messages (``fold_turn``).
+
+    Every batch but the last is final (a result lands in the last batch only),
+    so their error counts and the unanswered-error flag are carried as totals.
+    Never changed once made: ``turn.turn_fold`` remembers folds across steps.
+    """
+
+    length: int
+    """Messages folded."""
+    batches: tuple[Batch, ...]
+    seen: frozenset[str]
+    """``call_key`` of every call of the turn."""
+    errors: tuple[tuple[int, int], ...]
+    """``(index, error results)`` of each final batch with errors, in order."""
+    final_errors: int
+    """Error results of the final batches."""
+    unanswered: bool
+    """An error of the final batches is still unanswered by a success (``progress_event``)."""
+
+
+EMPTY_FOLD = TurnFold(0, (), frozenset(), (), 0, False)
+"""The fold of no messages."""
+
+
+def _still_unanswered(unanswered: bool, kinds: Sequence[ResultKind]) -> bool:
+    """The unanswered-error flag after a batch with results ``kinds``."""
+    return "error" in kinds or (unanswered and all(kind == "error" for kind in kinds))
+
+
+def fold_turn(messages: Sequence[BaseMessage], known: TurnFold = EMPTY_FOLD) -> TurnFold:
+    """``known`` extended over ``messages``, the turn's messages after those it folded.
+
+    ``known`` is left as it was: only its last batch can gain results, and that one is copied.
+    """
+    batches = list(known.batches)
+    seen, errors = known.seen, known.errors
+    final_errors, unanswered = known.final_errors, known.unanswered
+    adding: set[str] | None = None  # seen plus this fold's keys, made at the first new call
+    own_last = False  # batches[-1] is this fold's, not a remembered one
+    for message in messages:
+        if isinstance(message, AIMessage):
+            if batches:  # the last batch is final now
+                kinds = batches[-1].kinds
+                count = kinds.count("error")
+                if count:
+                    errors = (*errors, (len(batches) - 1, count))
+                final_errors += count
+                unanswered = _still_unanswered(unanswered, kinds)
+            batch = Batch()
+            for call in message.tool_calls:
+                if adding is None:
+                    adding = set(seen)
+                key = call_key(call["name"], call["args"])
+                batch.keys.append(key)
+                batch.new.append(key not in adding)
+                batch.ids.append(call.get("id"))
+                adding.add(key)
+            batches.append(batch)
+            own_last = True
+        elif isinstance(message, ToolMessage) and batches:
+            if not own_last:
+                batches[-1] = batches[-1].copy()
+                own_last = True
+            batches[-1].results[message.tool_call_id] = result_kind(message)
+    return TurnFold(
+        known.length + len(messages),
+        tuple(batches),
+        seen if adding is None else frozenset(adding),
+        errors,
+        final_errors,
+        unanswered,
+    )
+
 
 def turn_batches(turn_messages: Sequence[BaseMessage]) -> list[Batch]:
     """The turn's batches in order: each AI message's calls, and the tool results that follow it."""
-    batches: list[Batch] = []
-    seen: set[str] = set()
-    for message in turn_messages:
-        if isinstance(message, AIMessage):
-            batch = Batch()
-            for call in message.tool_calls:
-                key = call_key(call["name"], call["args"])
-                batch.keys.append(key)
-                batch.new.append(key not in seen)
-                batch.ids.append(call.get("id"))
-                seen.add(key)
-            batches.append(batch)
-        elif isinstance(message, ToolMessage) and batches:
-            batches[-1].results[message.tool_call_id] = result_kind(message)
-    return batches
+    return list(fold_turn(turn_messages).batches)
 
 
 def no_progress_share(keys: Sequence[str], window: int = NO_PROGRESS_WINDOW) -> tuple[int, int]:
@@ -183,12 +252,51 @@ def no_progress_share(keys: Sequence[str], window: int = NO_PROGRESS_WINDOW) -> 
     return repeated, len(recent)
 
 
+def _recent_repeats(batches: Sequence[Batch], window: int) -> tuple[int, int]:
+    """``no_progress_share`` of the turn's keys, read off ``Batch.new`` from the end (no full pass).
+
+    ``new`` already says whether a key was requested earlier in the turn.
+    """
+    repeated = calls = 0
+    for batch in reversed(batches):
+        for fresh in reversed(batch.new):
+            if calls >= window:
+                return repeated, calls
+            calls += 1
+            repeated += not fresh
+        if calls >= window:
+            break
+    return repeated, calls
+
+
+def _severity(aged: Iterable[tuple[int, int]]) -> float:
+    """``error_severity`` from ``(age, errors)`` of the batches, youngest first.
+
+    A batch without errors adds exactly 0.0, so leaving it out keeps the sum bit for bit;
+    no term is negative, so a total that reached 1 stays clipped to 1.
+    """
+    total = 0.0
+    for age, count in aged:
+        total += ERROR_UNIT * ERROR_DECAY**age * count
+        if total >= 1.0:
+            break
+    return min(total, 1.0)
+
+
 def error_severity(batches: Sequence[Batch]) -> float:
     """0-1: each error ``ERROR_UNIT``, times ``ERROR_DECAY`` per batch of age (the last batch is age 0)."""
-    total = 0.0
-    for age, batch in enumerate(reversed(batches)):
-        total += ERROR_UNIT * ERROR_DECAY**age * batch.kinds.count("error")
-    return min(total, 1.0)
+    return _severity((age, batch.kinds.count("error")) for age, batch in enumerate(reversed(batches)))
+
+
+def _progress(latest: Batch, before: Batch | None, unanswered: bool) -> bool:
+    """``progress_event`` of ``latest``, given the batch ``before`` it and the unanswered flag up to it."""
+    kinds = latest.kinds
+    if "pass" in kinds:
+        return True
+    if unanswered and any(kind != "error" for kind in kinds):
+        return True
+    looped = before is not None and bool(before.keys) and not any(before.new)
+    return looped and latest.new_success()
 
 
 def progress_event(batches: Sequence[Batch]) -> bool:
@@ -203,28 +311,35 @@ def progress_event(batches: Sequence[Batch]) -> bool:
     if not batches:
         return False
     *earlier, latest = batches
-    kinds = latest.kinds
-    if "pass" in kinds:
-        return True
     unanswered = False  # an error no later batch has answered with a success yet
     for batch in earlier:
-        done = batch.kinds
-        unanswered = "error" in done or (unanswered and all(kind == "error" for kind in done))
-    if unanswered and any(kind != "error" for kind in kinds):
-        return True
-    looped = bool(earlier) and bool(earlier[-1].keys) and not any(earlier[-1].new)
-    return looped and latest.new_success()
+        unanswered = _still_unanswered(unanswered, batch.kinds)
+    return _progress(latest, earlier[-1] if earlier else None, unanswered)
 
 
-def turn_trouble(turn_messages: Sequence[BaseMessage], window: int = NO_PROGRESS_WINDOW) -> TurnTrouble:
-    """The trouble signals of the step about to run on a turn whose messages (after the user's) are given."""
-    batches = turn_batches(turn_messages)
-    repeated, calls = no_progress_share([key for batch in batches for key in batch.keys], window)
+def fold_trouble(folded: TurnFold, window: int = NO_PROGRESS_WINDOW) -> TurnTrouble:
+    """The trouble signals of a folded turn, from its last batch and carried totals (not every batch)."""
+    batches = folded.batches
+    if not batches:
+        return TurnTrouble(error_severity=0.0, no_progress=0.0, progress=False)
+    repeated, calls = _recent_repeats(batches, window) if window > 0 else (0, 0)
+    latest = batches[-1]
+    latest_errors = latest.kinds.count("error")
+    last = len(batches) - 1
+    aged = chain(((0, latest_errors),), ((last - index, count) for index, count in reversed(folded.errors)))
     return TurnTrouble(
-        error_severity=round(error_severity(batches), 4),
+        error_severity=round(_severity(aged), 4),
         no_progress=round(repeated / calls, 4) if calls else 0.0,
-        progress=progress_event(batches),
-        errors=sum(batch.kinds.count("error") for batch in batches),
+        progress=_progress(latest, batches[-2] if last else None, folded.unanswered),
+        errors=folded.final_errors + latest_errors,
         repeated=repeated,
         window=calls,
     )
+
+
+def turn_trouble(turn_messages: Sequence[BaseMessage], window: int = NO_PROGRESS_WINDOW) -> TurnTrouble:
+    """The trouble signals of the step about to run on a turn whose messages (after the user's) are given.
+
+    Folds the whole turn; ``turn.with_trouble`` extends the previous step's fold instead.
+    """
+    return fold_trouble(fold_turn(turn_messages), window)

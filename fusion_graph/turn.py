@@ -17,8 +17,16 @@ from langchain_core.tools import BaseTool
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.records import RouteRecord
-from fusion_graph.routing import Latch, Pace, decide_leg
-from fusion_graph.score import RouteDecision, StepScore, StepSignals, TroubleScore, TroubleSignals, score_step
+from fusion_graph.routing import Pace, decide_leg
+from fusion_graph.score import (
+    RouteDecision,
+    StepScore,
+    StepSignals,
+    TroubleSignals,
+    score_step,
+    score_type,
+    signals_type,
+)
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.history_memo import HistoryMemo
@@ -31,7 +39,7 @@ from fusion_graph.sizing.tokens import (
     system_tokens,
 )
 from fusion_graph.state import PendingRoute, State, StepTally
-from fusion_graph.trouble import turn_trouble
+from fusion_graph.trouble import EMPTY_FOLD, TurnFold, fold_trouble, fold_turn
 
 
 def _is_turn_start(message: BaseMessage) -> bool:
@@ -203,15 +211,36 @@ def step_signals(
     )
 
 
+#: Turns already folded for the trouble signals, by the identity of their first message (as
+#: ``tools.batch.prior_call_counts``): a step folds only the messages since the previous one.
+_FOLDS: HistoryMemo[TurnFold] = HistoryMemo()
+
+
+def turn_fold(turn_messages: Sequence[BaseMessage]) -> TurnFold:
+    """``trouble.fold_turn`` of a turn's messages, extending a remembered fold of their prefix."""
+    items = turn_messages if isinstance(turn_messages, list) else list(turn_messages)
+    known = _FOLDS.find(items)
+    if known is not None:
+        shared, folded = known
+        if folded.length == shared:  # items extends (or is) the remembered turn: fold only what is new
+            if shared < len(items):
+                folded = fold_turn(items[shared:], folded)
+                _FOLDS.store(items, folded)
+            return folded
+    folded = fold_turn(items, EMPTY_FOLD)
+    _FOLDS.store(items, folded)
+    return folded
+
+
 def with_trouble(
     signals: StepSignals, messages: Sequence[BaseMessage], latched: int | None
 ) -> TroubleSignals:
     """``signals`` with the trouble signals of the turn in ``messages`` and the latch the step finds.
 
-    The turn is the messages after its user's (``turn_start``); ``trouble.turn_trouble``
-    measures them.
+    The turn is the messages after its user's (``turn_start``); ``trouble.fold_trouble``
+    measures them, folded incrementally (``turn_fold``) so a step costs its new messages.
     """
-    trouble = turn_trouble(messages[turn_start(messages) + 1 :])
+    trouble = fold_trouble(turn_fold(messages[turn_start(messages) + 1 :]))
     return TroubleSignals(
         **vars(signals),
         error_severity=trouble.error_severity,
@@ -267,7 +296,7 @@ def next_route(
     latch = None
     if context.trouble_signals and not plan:
         signals = with_trouble(signals, state["messages"], state.get("latch"))
-        latch = Latch(signals.latched, signals.progress)
+        latch = signals.latch
     decision = decide_leg(
         mode=context.mode,
         step=step,
@@ -319,13 +348,12 @@ def from_pending(choice: PendingRoute) -> tuple[RouteDecision, StepSignals]:
     breakdown = choice["breakdown"]
     score: StepScore | None = None
     if choice["score"] is not None and breakdown is not None:
-        kind = TroubleScore if "error_severity" in breakdown else StepScore
-        score = kind(score=choice["score"], **breakdown)
+        score = score_type(breakdown)(score=choice["score"], **breakdown)
     decision = RouteDecision(
         choice["leg"], score, choice["threshold"], choice["reason"], budget=choice.get("budget")
     )
     signals = choice["signals"]
-    return decision, (TroubleSignals if "error_severity" in signals else StepSignals)(**signals)
+    return decision, signals_type(signals)(**signals)
 
 
 def handed_estimates(choice: PendingRoute | None) -> dict[str, Estimate] | None:

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,25 +38,24 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from bench.kv.plan import ThreadPlan, plan_thread, route_trajectory
-from bench.kv.report import TIMING_NOTE
-from bench.kv.results import StepRecord, summarize
-from bench.kv.server import (
-    MAX_TOKENS,
-    MODEL_N_CTX,
-    TEMPLATE,
-    ServerSetup,
-    per_slot_ctx,
-    prepare_server,
-    tokenize_requests,
+from bench.kv.plan import ThreadPlan
+from bench.kv.report import TIMING_NOTE, VERDICT_WORDS, plain_table, progress
+from bench.kv.results import StepRecord, over_minimum, step_record, summarize
+from bench.kv.server import MAX_TOKENS, MODEL_N_CTX, TEMPLATE, prepare_server
+from bench.kv.threads import (
+    MODEL_ALIAS,
+    REQUEST_TIMEOUT_S,
+    box_server,
+    gateway_threads,
+    plan_threads,
+    swe_trajectories,
 )
-from bench.kv.server import server_version as llama_server_version
-from bench.traces import Trajectory, explained, load_traces, select_quick, trace_files
+from bench.traces import explained, trace_files, write_results
 from fusion_graph.context import DEFAULTS
 from fusion_graph.providers.slots import BoxSlots, routing_key
 
 if TYPE_CHECKING:
-    from fusion_graph_testing import Gateway, LlamaServer
+    from fusion_graph_testing import Gateway
 
 #: llama-server boxes behind the gateway.
 BOXES = 2
@@ -67,14 +64,10 @@ BOXES = 2
 #: get 8 distinct slots, whichever box the gateway puts them on. With fewer, two first requests can
 #: share a slot on one box (see bench/README.md).
 BOX_SLOTS = 9
-#: The served model id (``--alias``) every request names.
-MODEL_ALIAS = "local"
 #: The request header carrying the routing key.
 ROUTING_HEADER = "x-fusion-thread"
 #: Threads replayed at once unless ``--threads`` says otherwise.
 DEFAULT_THREADS = (8,)
-#: Seconds one local request may take (the longest prefill here takes seconds) before the run fails.
-REQUEST_TIMEOUT_S = 300.0
 #: Requests over their minimum listed in the results (``excess_detail``), at most.
 EXCESS_DETAIL = 20
 #: ``manual_min_group`` processes at most this many times the minimum.
@@ -154,45 +147,6 @@ def choose_variants(text: str) -> list[GatewayVariant]:
     return [by_name[n] for n in dict.fromkeys(names)]
 
 
-# -- threads ----------------------------------------------------------------------------
-
-
-def mark_copy(messages: Sequence[Mapping[str, Any]], copy: int) -> tuple[dict[str, Any], ...]:
-    """The messages with ``[copy N]`` at the start of the first user message (copy 0: unchanged)."""
-    marked = [dict(m) for m in messages]
-    if copy == 0:
-        return tuple(marked)
-    tag = f"[copy {copy}] "
-    for message in marked:
-        if message.get("role") != "user":
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            message["content"] = tag + content
-        elif isinstance(content, list):
-            message["content"] = [{"type": "text", "text": tag}, *content]
-        else:
-            message["content"] = tag
-        break
-    return tuple(marked)
-
-
-def gateway_threads(trajectories: Sequence[Trajectory], count: int) -> list[Trajectory]:
-    """``count`` threads cycling over ``trajectories``; each repeat is a distinct conversation."""
-    if not trajectories:
-        raise ValueError("no trajectories to replay")
-    threads = []
-    for index in range(count):
-        base = trajectories[index % len(trajectories)]
-        copy = index // len(trajectories)
-        if copy == 0:
-            threads.append(base)
-        else:
-            trace_id = f"{base.trace_id}#copy{copy}"
-            threads.append(Trajectory(base.file, base.line, trace_id, mark_copy(base.messages, copy)))
-    return threads
-
-
 # -- the replay --------------------------------------------------------------------------
 
 
@@ -224,9 +178,8 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
     trajectory = plan.trajectory
     thread = trajectory.thread_id
     for step in plan.steps:
-        base = StepRecord(trajectory.file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
         if step.leg == "cloud":
-            replay.steps.append(GatewayStep(base, thread, step.position, None))
+            replay.steps.append(GatewayStep(step_record(trajectory.file, step), thread, step.position, None))
             continue
         headers, fields = replay.variant.request(replay.slots, thread)
         body = {
@@ -254,17 +207,7 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
             raise RuntimeError(f"{replay.variant.name}: the gateway named no known box ({worker!r})")
         if replay.slots is not None and worker is not None:
             replay.slots.served(thread, worker)
-        timings = response.json()["timings"]
-        record = StepRecord(
-            trajectory.file,
-            "local",
-            step.n_tokens,
-            step.minimum,
-            step.estimate_tokens,
-            prompt_n=int(timings["prompt_n"]),
-            cache_n=int(timings["cache_n"]),
-            prompt_ms=float(timings["prompt_ms"]),
-        )
+        record = step_record(trajectory.file, step, response.json()["timings"])
         replay.steps.append(GatewayStep(record, thread, step.position, box))
 
 
@@ -353,21 +296,10 @@ class GatewayTarget:
 
 def evaluate_gateway_targets(variants: Mapping[str, Mapping[str, Any]]) -> list[GatewayTarget]:
     """``manual_min_group`` processes at most ``TARGET_MANUAL_OVER_MINIMUM`` × the minimum."""
-    results = []
-    for threads, leaf in variants.get("manual_min_group", {}).get("threads", {}).items():
-        ratio = leaf.get("processed_over_minimum")
-        if ratio is None:
-            results.append(GatewayTarget(threads, None, "nothing processed"))
-            continue
-        results.append(
-            GatewayTarget(
-                threads,
-                ratio <= TARGET_MANUAL_OVER_MINIMUM,
-                f"processed {leaf['processed_tokens']} = {ratio:.3f} × minimum {leaf['minimum_tokens']} "
-                f"(target <= {TARGET_MANUAL_OVER_MINIMUM:.2f})",
-            )
-        )
-    return results
+    return [
+        GatewayTarget(threads, *over_minimum(leaf, TARGET_MANUAL_OVER_MINIMUM, "target"))
+        for threads, leaf in variants.get("manual_min_group", {}).get("threads", {}).items()
+    ]
 
 
 def _fmt(value: Any, key: str = "") -> str:
@@ -405,44 +337,18 @@ def format_gateway_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
     for name, variant in variants.items():
         for threads, leaf in variant["threads"].items():
             rows.append([name, threads, *(_fmt(leaf.get(key), key) for _, key in GATEWAY_COLUMNS)])
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    left = 2
-
-    def line(cells: Sequence[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in pairs)
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    return plain_table(header, rows, left=2)
 
 
 def format_gateway_targets(targets: Sequence[GatewayTarget]) -> str:
     """One line per thread count."""
-    words = {True: "HOLDS", False: "FAILS", None: "n/a"}
     label = f"manual_min_group <= {TARGET_MANUAL_OVER_MINIMUM:.2f} × minimum"
-    return "\n".join(f"  {label} threads={t.threads}: {words[t.holds]:<5}  {t.detail}" for t in targets)
+    return "\n".join(
+        f"  {label} threads={t.threads}: {VERDICT_WORDS[t.holds]:<5}  {t.detail}" for t in targets
+    )
 
 
 # -- the run -------------------------------------------------------------------------------
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def box_server(
-    setup: ServerSetup, n_slots: int, ctx_size: int, name: str, extra_args: Sequence[str] = ()
-) -> LlamaServer:
-    """A box (not yet started): the tiny model, ``--alias local``, ``extra_args``; log ``logs/name.log``."""
-    from fusion_graph_testing import LlamaServer
-
-    return LlamaServer(
-        setup.model,
-        n_slots=n_slots,
-        ctx_size=ctx_size,
-        jinja=True,
-        extra_args=["--chat-template-file", str(setup.template), "--alias", MODEL_ALIAS, *extra_args],
-        log_path=setup.logs / f"{name}.log",
-    )
 
 
 def gateway_server(variant: GatewayVariant, worker_urls: Sequence[str], log: Path) -> Gateway:
@@ -458,57 +364,6 @@ def gateway_server(variant: GatewayVariant, worker_urls: Sequence[str], log: Pat
     )
 
 
-def swe_trajectories(args: argparse.Namespace) -> list[Trajectory]:
-    """The SWE-agent trajectories of ``--traces`` (``--quick``: its subset); ``SystemExit`` when none."""
-    trajectories = load_traces(args.traces)
-    if args.quick:
-        trajectories = select_quick(trajectories)
-    swe = [t for t in trajectories if t.is_swe]
-    if not swe:
-        raise SystemExit(
-            "this benchmark replays the SWE-agent traces (files named swe*); none found in --traces"
-        )
-    return swe
-
-
-@dataclass(frozen=True)
-class PlannedThreads:
-    """Every distinct thread's plan, and what sizing the boxes needs."""
-
-    plans: dict[str, ThreadPlan]
-    steps: int
-    longest: int
-    slot_ctx: int
-    llama_server_version: str
-
-
-def plan_threads(setup: ServerSetup, threads: Iterable[Trajectory], cloud_share: int) -> PlannedThreads:
-    """Route each distinct thread's steps (default hysteresis), tokenize them on a llama-server, plan them."""
-    hysteresis = DEFAULTS["hysteresis"]
-    distinct = {t.thread_id: t for t in threads}
-    routed = {
-        tid: route_trajectory(t.messages, hysteresis=hysteresis, cloud_share=cloud_share)
-        for tid, t in distinct.items()
-    }
-    requests = [(tid, r.position) for tid, steps in routed.items() for r in steps]
-    _progress(f"{len(distinct)} threads, {len(requests)} steps")
-    tokenizer = setup.server(n_slots=1, ctx_size=4096, name="tokenize")
-    with tokenizer:
-        version = llama_server_version(tokenizer.binary)
-        tokens_flat = asyncio.run(
-            tokenize_requests(
-                tokenizer.base_url, [distinct[tid].messages[:position] for tid, position in requests]
-            )
-        )
-    tokens = dict(zip(requests, tokens_flat, strict=True))
-    longest = max((len(tok) for tok in tokens_flat), default=1)
-    plans = {
-        tid: plan_thread(distinct[tid], steps, [tokens[(tid, r.position)] for r in steps])
-        for tid, steps in routed.items()
-    }
-    return PlannedThreads(plans, len(requests), longest, per_slot_ctx(longest), version)
-
-
 def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize, plan and replay every gateway variant at every thread count; return the results."""
     from fusion_graph_testing import ensure_smg, smg_version
@@ -522,7 +377,7 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
     swe = swe_trajectories(args)
     hysteresis = DEFAULTS["hysteresis"]
     threads_by_level = {level: gateway_threads(swe, level) for level in args.threads}
-    _progress(f"{len(swe)} SWE-agent trajectories")
+    progress(f"{len(swe)} SWE-agent trajectories")
 
     results: dict[str, Any] = {}
     commands: dict[str, list[str]] = {}
@@ -531,7 +386,7 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
         planned = plan_threads(setup, [t for ts in threads_by_level.values() for t in ts], args.cloud_share)
         plans, longest, slot_ctx = planned.plans, planned.longest, planned.slot_ctx
         version = planned.llama_server_version
-        _progress(f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {longest} tokens")
+        progress(f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {longest} tokens")
 
         for variant in chosen:
             entry: dict[str, Any] = {
@@ -572,7 +427,7 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
                 leaf = summarize_gateway(steps, BOXES)
                 leaf["wall_s"] = round(wall, 2)
                 entry["threads"][str(level)] = leaf
-                _progress(
+                progress(
                     f"{name}: processed {leaf['processed_tokens']:,} minimum {leaf['minimum_tokens']:,} "
                     f"threads per box {leaf['threads_per_box']} in {wall:.1f} s"
                 )
@@ -630,8 +485,5 @@ def main(args: argparse.Namespace) -> int:
     print(format_gateway_targets(targets))
     print(f"Note: {TIMING_NOTE}")
     print(f"Total wall time {meta['wall_s']} s.")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"JSON written to {args.out}")
+    write_results(result, args.out)
     return 0

@@ -29,8 +29,8 @@ from typing import Any, Self
 
 import httpx
 
-from bench.kv.gateway import REQUEST_TIMEOUT_S
 from bench.kv.server import MAX_TOKENS
+from bench.kv.threads import REQUEST_TIMEOUT_S
 from bench.traces import REPO_ROOT
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.resolver import ProviderResolver

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from bench.kv.plan import ThreadPlan
-from bench.kv.results import StepRecord
+from bench.kv.results import StepRecord, step_record
 from bench.kv.server import MAX_TOKENS, N_SLOTS
 from fusion_graph.context import DEFAULTS
 from fusion_graph.providers.placement import slot_body
@@ -74,9 +74,8 @@ async def replay_thread(replay: Replay, plan: ThreadPlan, *, release: bool) -> N
     """Send one thread's steps in order; local ones to llama-server, cloud ones to the counter."""
     trajectory = plan.trajectory
     for step in plan.steps:
-        base = StepRecord(trajectory.file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
         if step.leg == "cloud":
-            replay.records.append(base)
+            replay.records.append(step_record(trajectory.file, step))
             continue
         body = {
             "messages": list(trajectory.messages[: step.position]),
@@ -90,19 +89,7 @@ async def replay_thread(replay: Replay, plan: ThreadPlan, *, release: bool) -> N
                 f"{trajectory.thread_id} step {step.position}: HTTP {response.status_code}: "
                 f"{response.text[:500]}"
             )
-        timings = response.json()["timings"]
-        replay.records.append(
-            StepRecord(
-                trajectory.file,
-                "local",
-                step.n_tokens,
-                step.minimum,
-                step.estimate_tokens,
-                prompt_n=int(timings["prompt_n"]),
-                cache_n=int(timings["cache_n"]),
-                prompt_ms=float(timings["prompt_ms"]),
-            )
-        )
+        replay.records.append(step_record(trajectory.file, step, response.json()["timings"]))
     if release and replay.pool is not None:
         replay.pool.release(trajectory.thread_id)
 

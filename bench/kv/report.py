@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,13 @@ CLOUD_COUNT_NOTE = (
     "and counted with its tokenizer (/tokenize), the same tokens the minimum uses; "
     "cloud_prompt_tokens_estimate is the project's routing estimator (count_tokens_approximately)"
 )
+#: How a target or check line states its verdict (``None``: it could not be judged).
+VERDICT_WORDS: Mapping[bool | None, str] = {True: "HOLDS", False: "FAILS", None: "n/a"}
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr, flushed at once: stdout keeps only the report (all three benchmarks)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def _fmt(value: Any) -> str:
@@ -49,8 +57,13 @@ def format_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
             rows.append([name, threads, "all", *(_fmt(leaf.get(key)) for _, key in COLUMNS)])
             for file, sub in leaf.get("files", {}).items():
                 rows.append(["", "", file, *(_fmt(sub.get(key)) for _, key in COLUMNS)])
+    return plain_table(header, rows, left=3)
+
+
+def plain_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, left: int) -> str:
+    """Columns as wide as their widest cell, a dashed rule under the header; the first ``left``
+    columns left-aligned, the rest right-aligned (the one-box and the gateway tables alike)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    left = 3
 
     def line(cells: Sequence[str]) -> str:
         pairs = enumerate(zip(cells, widths, strict=True))
@@ -61,11 +74,11 @@ def format_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
 
 def format_targets(targets: Sequence[TargetResult]) -> str:
     """One line per target and concurrency level."""
-    words = {True: "HOLDS", False: "FAILS", None: "n/a"}
     labels = {
         "a": f"(a) fusion <= {TARGET_FUSION_OVER_MINIMUM:.2f} × minimum",
         "b": f"(b) hazard >= {TARGET_HAZARD_OVER_FUSION:.0f} × fusion",
     }
     return "\n".join(
-        f"  {labels[t.name]:<28} threads={t.threads}: {words[t.holds]:<5}  {t.detail}" for t in targets
+        f"  {labels[t.name]:<28} threads={t.threads}: {VERDICT_WORDS[t.holds]:<5}  {t.detail}"
+        for t in targets
     )

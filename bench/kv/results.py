@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.kv.plan import PlannedStep
 from bench.traces import is_swe_file
 from fusion_graph.score import Leg
 
@@ -26,6 +27,27 @@ class StepRecord:
     prompt_n: int = 0
     cache_n: int = 0
     prompt_ms: float = 0.0
+
+
+def step_record(file: str, step: PlannedStep, timings: Mapping[str, Any] | None = None) -> StepRecord:
+    """``step``'s record: its token counts, plus llama-server's ``timings`` when it was sent (local).
+
+    ``timings`` is a response's ``timings`` or a worker's reply (``prompt_n``, ``cache_n``,
+    ``prompt_ms``); every replay (one box, gateway, workers) builds its records here, so all of
+    them read the server's numbers the same way.
+    """
+    if timings is None:
+        return StepRecord(file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
+    return StepRecord(
+        file,
+        step.leg,
+        step.n_tokens,
+        step.minimum,
+        step.estimate_tokens,
+        prompt_n=int(timings["prompt_n"]),
+        cache_n=int(timings["cache_n"]),
+        prompt_ms=float(timings["prompt_ms"]),
+    )
 
 
 def summarize(records: Iterable[StepRecord]) -> dict[str, Any]:
@@ -143,3 +165,20 @@ def evaluate_targets(variants: Mapping[str, Mapping[str, Any]]) -> list[TargetRe
             )
         )
     return results
+
+
+def over_minimum(leaf: Mapping[str, Any], limit: float, word: str) -> tuple[bool | None, str]:
+    """Whether ``leaf`` processed at most ``limit`` × its minimum, and the detail line saying so.
+
+    ``None`` (with ``nothing processed``) when the leaf has no ``processed_over_minimum``; ``word``
+    names the bound in the detail (``target``, ``expected``). The gateway target and the workers
+    check judge their leaves with it, so both read the same.
+    """
+    ratio = leaf.get("processed_over_minimum")
+    if ratio is None:
+        return None, "nothing processed"
+    detail = (
+        f"processed {leaf['processed_tokens']} = {ratio:.3f} × minimum {leaf['minimum_tokens']} "
+        f"({word} <= {limit:.2f})"
+    )
+    return ratio <= limit, detail

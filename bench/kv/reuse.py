@@ -26,17 +26,16 @@ results JSON); the pieces live in ``bench.traces``, ``bench.kv.plan``,
 ``bench.kv.server``, ``bench.kv.replay``, ``bench.kv.results`` and
 ``bench.kv.report``; ``--gateway`` (two boxes behind a real smg gateway) lives in
 ``bench.kv.gateway`` and ``--workers`` (a thread's runs on different worker processes)
-in ``bench.kv.workers``. Run ``python -m bench.kv.reuse --help``; see bench/README.md.
+in ``bench.kv.workers`` (its results in ``bench.kv.workers_results``), both replaying the
+threads of ``bench.kv.threads``. Run ``python -m bench.kv.reuse --help``; see bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -48,7 +47,7 @@ from bench.kv.gateway import DEFAULT_THREADS as GATEWAY_DEFAULT_THREADS
 from bench.kv.gateway import GATEWAY_DEFAULT_VARIANTS
 from bench.kv.plan import CLOUD_SHARE, ThreadPlan, plan_thread, route_trajectory
 from bench.kv.replay import DEFAULT_VARIANTS, VARIANTS, run_variant
-from bench.kv.report import CLOUD_COUNT_NOTE, TIMING_NOTE, format_table, format_targets
+from bench.kv.report import CLOUD_COUNT_NOTE, TIMING_NOTE, format_table, format_targets, progress
 from bench.kv.results import evaluate_targets, summarize_with_files
 from bench.kv.server import (
     MAX_TOKENS,
@@ -67,6 +66,7 @@ from bench.traces import (
     load_traces,
     select_quick,
     trace_files,
+    write_results,
 )
 from fusion_graph.context import DEFAULTS
 
@@ -132,10 +132,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize, plan and replay every variant at every concurrency level; return the results."""
     started = time.perf_counter()
@@ -148,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests = [
         (t, p) for t in trajectories for p in assistant_positions(t.messages)
     ]  # every step: local ones for the minimum, cloud ones for the stand-in count
-    _progress(f"{len(trajectories)} trajectories, {len(requests)} steps")
+    progress(f"{len(trajectories)} trajectories, {len(requests)} steps")
 
     with tempfile.TemporaryDirectory(prefix="kv-reuse-") as tmp:
         setup = prepare_server(Path(tmp))
@@ -162,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokens = {(t.thread_id, p): tok for (t, p), tok in zip(requests, tokens_flat, strict=True)}
         longest = max((len(tok) for tok in tokens_flat), default=1)
         slot_ctx = per_slot_ctx(longest)
-        _progress(f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {longest} tokens")
+        progress(f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {longest} tokens")
 
         plans_by_h: dict[int, list[ThreadPlan]] = {}
         for h in sorted({v.hysteresis for v in chosen}):
@@ -200,7 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 leaf = summarize_with_files(records)
                 leaf["wall_s"] = round(wall, 2)
                 entry["threads"][str(level)] = leaf
-                _progress(
+                progress(
                     f"{name}: processed {leaf['processed_tokens']:,} minimum {leaf['minimum_tokens']:,} "
                     f"in {wall:.1f} s"
                 )
@@ -283,10 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Note: {TIMING_NOTE}")
     print(f"Cloud steps: {CLOUD_COUNT_NOTE}.")
     print(f"Total wall time {meta['wall_s']} s.")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"JSON written to {args.out}")
+    write_results(result, args.out)
     return 0
 
 

@@ -55,12 +55,11 @@ class ServerSetup:
 
 def prepare_server(workdir: Path) -> ServerSetup:
     """Write the tiny qwen2 model and the tool-capable template into ``workdir``."""
-    from fusion_graph_testing import chat_template, ensure_llama_server, vocab_path, write_tiny_model
+    from fusion_graph_testing import ensure_llama_server, vocab_path, write_chat_template, write_tiny_model
 
     ensure_llama_server()
     model = write_tiny_model(workdir / "tiny-qwen2.gguf", vocab_gguf=vocab_path("qwen2"), n_ctx=MODEL_N_CTX)
-    template = workdir / f"{TEMPLATE}.jinja"
-    template.write_text(chat_template(TEMPLATE), encoding="utf-8")
+    template = write_chat_template(workdir, TEMPLATE)
     logs = workdir / "logs"
     logs.mkdir()
     return ServerSetup(model, template, logs)

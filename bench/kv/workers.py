@@ -5,7 +5,7 @@ a thread to whichever one is free. Each worker here is a real process
 (``bench.kv.placement_worker``: JSON lines over a loopback socket) with its own
 ``ProviderResolver`` built from its ``FUSION_*`` environment, so its own placer
 (``resolver.placement``). The coordinator replays ``--threads``
-SWE-agent threads at once (``gateway.gateway_threads``, routed with
+SWE-agent threads at once (``threads.gateway_threads``, routed with
 ``route_trajectory``; cloud steps only count) and sends each thread's local
 steps in order, in runs of ``--steps-per-run``: thread i's run k goes to worker
 (i + k) mod N. A worker places the step (``placement.place``), sends the raw
@@ -50,33 +50,37 @@ import json
 import os
 import platform
 import re
-import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from bench.kv.gateway import (
-    GATEWAY_VARIANTS,
-    MODEL_ALIAS,
-    REQUEST_TIMEOUT_S,
-    GatewayStep,
-    box_server,
-    gateway_server,
-    gateway_threads,
-    plan_threads,
-    summarize_gateway,
-    swe_trajectories,
-)
+from bench.kv.gateway import GATEWAY_VARIANTS, gateway_server
 from bench.kv.placement_worker import PlacementWorker
 from bench.kv.plan import ThreadPlan
-from bench.kv.report import TIMING_NOTE
-from bench.kv.results import StepRecord
+from bench.kv.report import TIMING_NOTE, progress
+from bench.kv.results import step_record
 from bench.kv.server import MAX_TOKENS, MODEL_N_CTX, TEMPLATE, ServerSetup, prepare_server
-from bench.traces import explained, trace_files
+from bench.kv.threads import (
+    MODEL_ALIAS,
+    REQUEST_TIMEOUT_S,
+    box_server,
+    gateway_threads,
+    plan_threads,
+    swe_trajectories,
+)
+from bench.kv.workers_results import (
+    SHARED_OVER_MINIMUM,
+    PlacedStep,
+    evaluate_checks,
+    format_checks,
+    format_workers_table,
+    summarize_workers,
+)
+from bench.traces import explained, trace_files, write_results
 from fusion_graph.context import DEFAULTS
 from fusion_graph.providers.slots import box_name
 
@@ -107,10 +111,6 @@ QUICK_LOCAL_STEPS = 7
 #: makes the server load a cached prompt into that busy slot, which then never finishes (100 % CPU);
 #: in-process placement over several workers sends such requests. See bench/README.md.
 CACHE_RAM_MIB = 0
-#: Requests over their minimum listed in the results (``excess_detail``), at most.
-EXCESS_DETAIL = 20
-#: The expectation checked (not asserted): shared placement processes at most this many times the minimum.
-SHARED_OVER_MINIMUM = 1.02
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -275,86 +275,6 @@ def worker_env(
     return env
 
 
-# -- counting ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlacedStep:
-    """One step's cost, and where it ran (``worker``, ``box`` and ``slot`` are ``None`` for a cloud step).
-
-    ``finished`` is the wall-clock time the worker got the answer: one slot serves
-    one request at a time, so on a (box, slot) it orders the requests as the
-    server ran them.
-    """
-
-    record: StepRecord
-    thread: str
-    position: int
-    run: int | None = None
-    worker: int | None = None
-    box: int | None = None
-    slot: int | None = None
-    finished: float = 0.0
-    notes: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def local(self) -> bool:
-        """Whether it was sent to a box."""
-        return self.box is not None
-
-
-def slot_collisions(steps: Iterable[PlacedStep]) -> int:
-    """Local requests on a (box, slot) whose previous request there came from another thread."""
-    last: dict[tuple[int | None, int | None], str] = {}
-    collisions = 0
-    for step in sorted((s for s in steps if s.local), key=lambda s: s.finished):
-        where = (step.box, step.slot)
-        if where in last and last[where] != step.thread:
-            collisions += 1
-        last[where] = step.thread
-    return collisions
-
-
-def thread_moves(steps: Iterable[PlacedStep]) -> int:
-    """A thread's consecutive local requests on different (box, slot), over all threads."""
-    last: dict[str, tuple[int | None, int | None]] = {}
-    moves = 0
-    for step in sorted((s for s in steps if s.local), key=lambda s: (s.thread, s.position)):
-        where = (step.box, step.slot)
-        if step.thread in last and last[step.thread] != where:
-            moves += 1
-        last[step.thread] = where
-    return moves
-
-
-def summarize_workers(steps: Sequence[PlacedStep], boxes: int) -> dict[str, Any]:
-    """The gateway leaf (tokens, ``processed_over_minimum``, per box) plus collisions, moves and notes."""
-    leaf = summarize_gateway([GatewayStep(s.record, s.thread, s.position, s.box) for s in steps], boxes)
-    local = [s for s in steps if s.local]
-    leaf["slot_collisions"] = slot_collisions(steps)
-    leaf["thread_moves"] = thread_moves(steps)
-    leaf["guest_requests"] = sum(1 for s in local if s.notes.get("guest"))
-    leaf["fallback_requests"] = sum(
-        1 for s in local if str(s.notes.get("placement", "")).startswith("in-process:")
-    )
-    leaf["excess_detail"] = [
-        {
-            "thread": s.thread,
-            "position": s.position,
-            "run": s.run,
-            "worker": s.worker,
-            "box": s.box,
-            "slot": s.slot,
-            "prompt_n": s.record.prompt_n,
-            "cache_n": s.record.cache_n,
-            "minimum": s.record.minimum,
-        }
-        for s in local
-        if s.record.prompt_n > s.record.minimum
-    ][:EXCESS_DETAIL]
-    return leaf
-
-
 # -- the replay --------------------------------------------------------------------------
 
 
@@ -374,9 +294,8 @@ async def replay_thread(
     assigned = step_workers(local, thread_index, steps_per_run=steps_per_run, workers=len(workers))
     sent = 0
     for step in plan.steps:
-        base = StepRecord(trajectory.file, step.leg, step.n_tokens, step.minimum, step.estimate_tokens)
         if step.leg == "cloud":
-            out.append(PlacedStep(base, thread, step.position))
+            out.append(PlacedStep(step_record(trajectory.file, step), thread, step.position))
             continue
         worker, run = assigned[sent], sent // steps_per_run
         sent += 1
@@ -384,16 +303,7 @@ async def replay_thread(
         box = box_index.get(box_name(str(reply["box"])))
         if box is None:
             raise RuntimeError(f"{thread} step {step.position}: answered by an unknown box {reply['box']!r}")
-        record = StepRecord(
-            trajectory.file,
-            "local",
-            step.n_tokens,
-            step.minimum,
-            step.estimate_tokens,
-            prompt_n=int(reply["prompt_n"]),
-            cache_n=int(reply["cache_n"]),
-            prompt_ms=float(reply["prompt_ms"]),
-        )
+        record = step_record(trajectory.file, step, reply)
         slot = reply["slot"]
         out.append(
             PlacedStep(
@@ -516,7 +426,7 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
         check_os_user()
     swe = swe_trajectories(args)
     threads = gateway_threads(swe, threads_n)
-    _progress(f"{len(swe)} SWE-agent trajectories as {threads_n} threads; {len(grid)} variants")
+    progress(f"{len(swe)} SWE-agent trajectories as {threads_n} threads; {len(grid)} variants")
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kv-workers-") as tmp, ExitStack() as stack:
@@ -525,7 +435,7 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
         plans = [planned.plans[t.thread_id] for t in threads]
         if args.quick:
             plans = [truncate_plan(plan, QUICK_LOCAL_STEPS) for plan in plans]
-        _progress(
+        progress(
             f"tokenized in {time.perf_counter() - started:.1f} s; longest prompt {planned.longest} tokens"
         )
         cluster = None
@@ -543,7 +453,7 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
                 cache_ram=args.cache_ram,
             )
             results[variant.name] = leaf
-            _progress(
+            progress(
                 f"{variant.name} (-np {leaf['box_slots']}): processed {leaf['processed_tokens']:,} minimum "
                 f"{leaf['minimum_tokens']:,} = {leaf['processed_over_minimum']}, collisions "
                 f"{leaf['slot_collisions']}, moves {leaf['thread_moves']}, threads per box "
@@ -579,77 +489,6 @@ def run_workers(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     return {"variants": results, "meta": meta}
-
-
-# -- the report --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkersCheck:
-    """The expectation on one shared variant: at most ``SHARED_OVER_MINIMUM`` × the minimum."""
-
-    variant: str
-    holds: bool | None
-    detail: str
-
-
-def evaluate_checks(variants: Mapping[str, Mapping[str, Any]]) -> list[WorkersCheck]:
-    """Every shared variant processes at most ``SHARED_OVER_MINIMUM`` × the minimum."""
-    checks = []
-    for name, leaf in variants.items():
-        if leaf.get("placement") != "shared":
-            continue
-        ratio = leaf.get("processed_over_minimum")
-        if ratio is None:
-            checks.append(WorkersCheck(name, None, "nothing processed"))
-            continue
-        detail = (
-            f"processed {leaf['processed_tokens']} = {ratio:.3f} × minimum {leaf['minimum_tokens']} "
-            f"(expected <= {SHARED_OVER_MINIMUM:.2f})"
-        )
-        checks.append(WorkersCheck(name, ratio <= SHARED_OVER_MINIMUM, detail))
-    return checks
-
-
-def _int(value: Any) -> str:
-    return f"{value:,}" if isinstance(value, int) else "-"
-
-
-def format_workers_table(variants: Mapping[str, Mapping[str, Any]]) -> str:
-    """The Markdown table: one row per variant."""
-    header = (
-        "| placement | workers | boxes × `-np` | slots | local steps | processed | minimum | "
-        "processed / minimum | slot collisions | thread moves | threads per box | seconds |"
-    )
-    lines = [header, "| " + " | ".join(["---"] * 12) + " |"]
-    for leaf in variants.values():
-        ratio = leaf.get("processed_over_minimum")
-        cells = [
-            str(leaf.get("placement")),
-            str(leaf.get("workers")),
-            f"{leaf.get('box_count')} × {leaf.get('box_slots')}",
-            str(leaf.get("slots")),
-            _int(leaf.get("local_steps")),
-            _int(leaf.get("processed_tokens")),
-            _int(leaf.get("minimum_tokens")),
-            f"{ratio:.3f}" if isinstance(ratio, float | int) else "-",
-            _int(leaf.get("slot_collisions")),
-            _int(leaf.get("thread_moves")),
-            " / ".join(map(str, leaf.get("threads_per_box", []))),
-            f"{leaf.get('wall_s', 0):.1f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def format_checks(checks: Sequence[WorkersCheck]) -> str:
-    """One line per shared variant."""
-    words = {True: "HOLDS", False: "FAILS", None: "n/a"}
-    return "\n".join(f"  {c.variant}: {words[c.holds]:<5}  {c.detail}" for c in checks)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -688,8 +527,5 @@ def main(args: argparse.Namespace) -> int:
     print(format_checks(checks))
     print(f"Note: {TIMING_NOTE}")
     print(f"Total wall time {meta['wall_s']} s.")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"JSON written to {args.out}")
+    write_results(result, args.out)
     return 0

@@ -26,6 +26,8 @@ from fusion_graph.cli.trace_options import (
 )
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from fusion_graph.replay.calibration import Calibration
     from fusion_graph.replay.replayed import ReplayedTrajectory
     from fusion_graph.replay.shares import ScoredStep, TargetOf
@@ -45,6 +47,26 @@ OfOpt = Annotated[
         "turn's plan; the default) or 'all' steps (plans included).",
     ),
 ]
+
+
+def save_or_echo(
+    output: dict[str, Any], calibrated: dict[str, Any], save: Path | None, as_json: bool
+) -> bool:
+    """Write ``calibrated`` to ``--save``; with ``--json`` print ``output``. ``True``: nothing more to print.
+
+    Both ``calibrate`` paths (trajectories, labels) end the same way, so their files and JSON agree.
+    """
+    if save is not None:
+        save.write_text(json.dumps(calibrated, indent=1) + "\n", encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps(output))
+    return as_json
+
+
+def print_run_context(console: Console, calibrated: dict[str, Any]) -> None:
+    """The table's last lines: the calibrated context as one JSON line, plain, for ``--context``."""
+    console.print("run context (pass as --context, or context= when embedding the graph):")
+    typer.echo(json.dumps(calibrated))
 
 
 def _share(value: float | None) -> str:
@@ -326,10 +348,7 @@ def calibrate_command(
         "pace_slack": found.context.pace_slack,
     }
     output = calibration_output(found, checked, calibrated, unbudgeted)
-    if save is not None:
-        save.write_text(json.dumps(calibrated, indent=1) + "\n", encoding="utf-8")
-    if as_json:
-        typer.echo(json.dumps(output))
+    if save_or_echo(output, calibrated, save, as_json):
         return
     console = stdout_console()
     words = {"continuation": "of continuation steps", "all": "of all steps", "cost": "of all-cloud cost"}
@@ -360,5 +379,4 @@ def calibrate_command(
     console.print(f"note: {checked['note']}", highlight=False, soft_wrap=True)
     if plot is not None:
         console.print(f"calibration curve written to {plot}", highlight=False, soft_wrap=True)
-    console.print("run context (pass as --context, or context= when embedding the graph):")
-    typer.echo(json.dumps(calibrated))
+    print_run_context(console, calibrated)

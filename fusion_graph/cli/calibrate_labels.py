@@ -9,12 +9,10 @@ saves the context and draws the figure. No model is called.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import typer
-
+from fusion_graph.cli.calibrate import print_run_context, save_or_echo
 from fusion_graph.cli.common import fail, stderr_console, stdout_console, storage
 from fusion_graph.cli.tables import add_number_columns, compact_table
 
@@ -185,10 +183,7 @@ def calibrate_on_labels(
             recall_figure(found, title=f"labels: {where}", path=plot)
         except PlotUnavailable as error:
             raise fail(str(error)) from error
-    if save is not None:
-        save.write_text(json.dumps(calibrated, indent=1) + "\n", encoding="utf-8")
-    if as_json:
-        typer.echo(json.dumps(output))
+    if save_or_echo(output, calibrated, save, as_json):
         return
     console = stdout_console()
     console.print(_table(found, where))
@@ -205,5 +200,4 @@ def calibrate_on_labels(
         console.print(f"note: {note}", highlight=False)
     if plot is not None:
         console.print(f"recall curves written to {plot}", highlight=False, soft_wrap=True)
-    console.print("run context (pass as --context, or context= when embedding the graph):")
-    typer.echo(json.dumps(calibrated))
+    print_run_context(console, calibrated)

@@ -1,9 +1,8 @@
-"""The checks ``fusion-graph run`` makes before anything runs, and where it reads the cloud key.
+"""The checks ``fusion-graph run`` makes before anything runs.
 
-The cloud key is read like the graph reads its settings: ``FUSION_CLOUD_API_KEY``,
-else the variable named by ``FUSION_CLOUD_API_KEY_ENV`` (``OPENAI_API_KEY``)
-from the environment, else that variable from ``./.env`` (``with_dotenv_key``),
-handed to the graph as the settings' ``cloud_api_key``: never exported to the
+The cloud key is ``FusionSettings.api_key()``: ``FUSION_CLOUD_API_KEY``, else the
+variable named by ``FUSION_CLOUD_API_KEY_ENV`` (``OPENAI_API_KEY``) from the
+environment, else that variable from ``./.env``; it is never exported to the
 process environment. ``doctor`` names the key and llama-server's start line
 through the same functions (``key_variable``, ``local_start_line``).
 """
@@ -11,7 +10,6 @@ through the same functions (``key_variable``, ``local_start_line``).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_graph.cli.common import fail
@@ -23,8 +21,6 @@ if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
     from fusion_graph.errors import LlamaServerUnavailable
     from fusion_graph.settings import FusionSettings
-
-ENV_FILE = Path(".env")
 
 #: An environment variable's name (POSIX): what ``FUSION_CLOUD_API_KEY_ENV`` must hold.
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -57,30 +53,12 @@ def needs_local(context: FusionContext) -> bool:
     return context.mode == "local" or (context.mode == "fusion" and context.cloud_share < 100)
 
 
-def with_dotenv_key(settings: FusionSettings, env_file: Path = ENV_FILE) -> FusionSettings:
-    """``settings`` with the cloud key from ``env_file`` when neither settings nor environment hold it.
-
-    ``FusionSettings`` reads ``FUSION_*`` names from ``.env`` but takes the key
-    variable (``cloud_api_key_env``, default ``OPENAI_API_KEY``) from the
-    environment only; this reads that variable from ``.env`` too and passes it
-    as ``cloud_api_key``, so only the graph's cloud model sees it.
-    """
-    variable = key_variable(settings)
-    if variable is None or settings.api_key() is not None or not env_file.is_file():
-        return settings
-    from dotenv import dotenv_values
-    from pydantic import SecretStr
-
-    value = dotenv_values(env_file).get(variable)
-    return settings.model_copy(update={"cloud_api_key": SecretStr(value)}) if value else settings
-
-
 def check_cloud_key(settings: FusionSettings) -> None:
     """Raise a CLI error naming the variable to set when the cloud key is missing.
 
-    The key is ``settings.api_key()`` (pass settings through ``with_dotenv_key`` to
-    honour ``.env``). The graph's default chain builds both legs whatever the mode,
-    so the key is needed even for a run that would only use llama-server.
+    The key is ``settings.api_key()`` (which reads ``./.env`` too). The graph's
+    default chain builds both legs whatever the mode, so the key is needed even for
+    a run that would only use llama-server.
     """
     if settings.api_key() is not None:
         return

@@ -20,9 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
-from fusion_graph.records import SIDE_KINDS
+from fusion_graph.records import is_step
 from fusion_graph.redact import scrub_known
 
 if TYPE_CHECKING:
@@ -153,13 +160,17 @@ def load_or_fail(paths: Sequence[Path]) -> list[RecordedTrajectory]:
 
 
 @contextmanager
-def progress(console: Console | None = None) -> Iterator[Progress]:
-    """A rich progress display on stderr; it hides itself when stderr is not a terminal."""
+def progress(console: Console | None = None, *, columns: Sequence[ProgressColumn] = ()) -> Iterator[Progress]:
+    """A rich progress display on stderr; it hides itself when stderr is not a terminal.
+
+    ``columns`` go between the count and the elapsed time (``label`` adds its agreement and rate).
+    """
     console = console or stderr_console()
     display = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        *columns,
         TimeElapsedColumn(),
         console=console,
         transient=True,
@@ -201,7 +212,7 @@ class CloudShare:
     @classmethod
     def of(cls, records: Sequence[RouteRecord]) -> CloudShare:
         """The share of ``records`` (``route_log`` entries), by the leg the router chose."""
-        steps = [r for r in records if r["kind"] not in SIDE_KINDS]
+        steps = [r for r in records if is_step(r)]
         continuation = [r for r in steps if r["kind"] == "step"]
         plans = [r for r in steps if r["kind"] == "plan"]
         return cls(

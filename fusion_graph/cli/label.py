@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import ProgressColumn, TextColumn
 from rich.text import Text
 
-from fusion_graph.cli.common import build_context, build_settings, fail, stderr_console, stdout_console
+from fusion_graph.cli.common import (
+    build_context,
+    build_settings,
+    fail,
+    progress,
+    stderr_console,
+    stdout_console,
+)
 from fusion_graph.cli.tables import add_number_columns, compact_table
 from fusion_graph.cli.trace_options import ContextOpt, JsonOpt, TracesArg, load_traces
 
@@ -54,13 +56,27 @@ class RateColumn(ProgressColumn):
         return Text("-" if speed is None else f"{speed:.2f} steps/s", style="progress.data.speed")
 
 
+@dataclass
+class Written:
+    """Steps written to ``--out`` this run, counted outside ``_label``: said after Ctrl-C or a failure."""
+
+    steps: int = 0
+
+
 def trim_partial_line(path: Path) -> None:
-    """Cut a last line left unfinished (a run killed while writing it), so the next line starts clean."""
+    """Cut a last line left unfinished (a run killed while writing it), so the next line starts clean.
+
+    Only the last byte is read when the file ends its line (the usual case): the
+    file is read whole once, to parse it, not twice.
+    """
     with path.open("rb+") as handle:
-        data = handle.read()
-        if not data or data.endswith(b"\n"):
+        if handle.seek(0, os.SEEK_END) == 0:
             return
-        handle.truncate(data.rfind(b"\n") + 1)
+        handle.seek(-1, os.SEEK_END)
+        if handle.read(1) == b"\n":
+            return
+        handle.seek(0)
+        handle.truncate(handle.read().rfind(b"\n") + 1)
 
 
 def done_keys(out: Path, retry_errors: bool) -> tuple[set[LabelKey], int]:
@@ -102,7 +118,7 @@ async def _label(
     options: dict[str, Any],
     done: set[LabelKey],
     agreed: int,
-    written: list[dict[str, Any]],
+    written: Written,
 ) -> tuple[LabelTally, int, int, int | None, int]:
     """Label every step not in ``done``: the tally, the steps, those to do, the window, the concurrency."""
     from fusion_graph.context import FusionContext
@@ -123,27 +139,16 @@ async def _label(
         total = sum(len(items) for items in steps)
         todo = [[item for item in items if item.key not in done] for items in steps]
         waiting = sum(map(len, todo))
-        console = stderr_console()
-        display = Progress(
-            TextColumn("labelling"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("agree {task.fields[agree]}"),
-            RateColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-            disable=not console.is_terminal,
-        )
+        columns = (TextColumn("agree {task.fields[agree]}"), RateColumn())
         agree = agreed
-        with display, out.open("a", encoding="utf-8") as handle:
+        with progress(columns=columns) as display, out.open("a", encoding="utf-8") as handle:
             task = display.add_task("labelling", total=total, completed=total - waiting, agree=agree)
 
             def write(line: dict[str, Any]) -> None:
                 nonlocal agree
                 handle.write(json.dumps(line) + "\n")
                 handle.flush()
-                written.append(line)
+                written.steps += 1
                 agree += line["agrees"] is True
                 display.update(task, advance=1, agree=agree)
 
@@ -245,7 +250,7 @@ def label(
     trajectories = load_traces(traces)
     done, agreed = done_keys(out, retry_errors)
     options = {"max_tokens": max_tokens, "concurrency": concurrency, "limit": limit, "tools": tools}
-    written: list[dict[str, Any]] = []
+    written = Written()
     resume = f"run the same command again to go on ({out} keeps every finished step)"
     try:
         tally, total, waiting, window, slots = asyncio.run(
@@ -253,14 +258,14 @@ def label(
         )
     except KeyboardInterrupt:
         stderr_console().print(
-            f"interrupted: {len(written)} step(s) labelled this run; {resume}",
+            f"interrupted: {written.steps} step(s) labelled this run; {resume}",
             highlight=False,
             soft_wrap=True,
         )
         raise typer.Exit(INTERRUPTED) from None
     except LocalUnavailable as error:
         raise fail(
-            f"the local model at {settings.local_base_url} stopped answering after {len(written)} step(s) "
+            f"the local model at {settings.local_base_url} stopped answering after {written.steps} step(s) "
             f"this run: {error}. Start llama-server (fusion-graph doctor checks it), then {resume}"
         ) from None
     except (ContextError, ProviderConfigError) as error:

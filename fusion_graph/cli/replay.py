@@ -43,15 +43,11 @@ def replay_with_progress(
 
     With ``prices``, cloud steps are priced while routing, so the context's cloud budgets apply.
     """
-    from fusion_graph.replay.replayed import replay_trajectory
+    from fusion_graph.replay.replayed import replay_all
 
-    replays = []
     with progress() as bar:
         task = bar.add_task(label, total=len(trajectories))
-        for trajectory in trajectories:
-            replays.append(replay_trajectory(trajectory, context, prices))
-            bar.advance(task)
-    return replays
+        return replay_all(trajectories, context, advance=lambda: bar.advance(task), prices=prices)
 
 
 def budget_sentence(result: dict[str, Any]) -> str | None:

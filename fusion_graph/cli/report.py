@@ -30,10 +30,10 @@ from fusion_graph.cli.common import (
     stdout_console,
     storage,
 )
-from fusion_graph.cli.prices import cloud_prices, price_note, priced_costs
+from fusion_graph.cli.prices import PricedCosts, cloud_prices, price_note, priced_costs
 from fusion_graph.cli.run import DEFAULT_DB
 from fusion_graph.cli.tables import add_number_columns, compact_table
-from fusion_graph.records import SIDE_KINDS, kept_local_by_budget
+from fusion_graph.records import is_step, kept_local_by_budget
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -144,20 +144,25 @@ def budget_summary(records: Sequence[RouteRecord]) -> dict[str, Any]:
 
 
 def thread_summary(
-    records: Sequence[RouteRecord], cloud: TokenPrices | None, cloud_model: str
+    records: Sequence[RouteRecord],
+    cloud: TokenPrices | None,
+    cloud_model: str,
+    *,
+    costs: PricedCosts | None = None,
 ) -> dict[str, Any]:
     """Routing, cost and savings of one thread's records (both cloud shares: see ``CloudShare``).
 
     Cost, all-cloud cost and savings are over the inferences with a price
-    (``prices.priced_costs``); ``unpriced`` counts the others, ``repriced`` those
-    priced now from their recorded tokens.
+    (``prices.priced_costs``, or ``costs`` when the caller priced the records already);
+    ``unpriced`` counts the others, ``repriced`` those priced now from their recorded tokens.
     """
     from fusion_graph.providers.pricing import chain_totals
 
     totals = chain_totals(records)
     share = CloudShare.of(records)
-    legs = [r["routed_leg"] for r in records if r["kind"] not in SIDE_KINDS]
-    costs = priced_costs(records, cloud, cloud_model)
+    legs = [r["routed_leg"] for r in records if is_step(r)]
+    if costs is None:
+        costs = priced_costs(records, cloud, cloud_model)
     saved, fraction = costs.savings
     return {
         "turns": len({r["turn"] for r in records}),
@@ -191,9 +196,14 @@ def totals_summary(
     rows: Sequence[dict[str, Any]],
     cloud: TokenPrices | None,
     cloud_model: str,
+    *,
+    costs: PricedCosts | None = None,
 ) -> dict[str, Any]:
-    """All threads together: their records summarised at once, turns and switches added up per thread."""
-    total = thread_summary([record for log in logs for record in log], cloud, cloud_model)
+    """All threads together: their records summarised at once, turns and switches added up per thread.
+
+    ``costs``: the priced costs of all the records, when the caller has them (``report``'s price note).
+    """
+    total = thread_summary([record for log in logs for record in log], cloud, cloud_model, costs=costs)
     for name in ("turns", "switches"):
         total[name] = sum(row[name] for row in rows)
     total["max_turn_cloud_usd"] = max((row["max_turn_cloud_usd"] for row in rows), default=0.0)
@@ -357,8 +367,9 @@ def report(
         for tid, one in stored.items()
     }
     logs = [one.route_log for one in stored.values()]
-    total = totals_summary(logs, list(threads.values()), prices, model)
-    hint = price_note(settings, model, prices, priced_costs([r for log in logs for r in log], prices, model))
+    costs = priced_costs([r for log in logs for r in log], prices, model)  # once: totals and note
+    total = totals_summary(logs, list(threads.values()), prices, model, costs=costs)
+    hint = price_note(settings, model, prices, costs)
     budget = {"turn_usd": settings.turn_cloud_budget_usd, "thread_usd": settings.thread_cloud_budget_usd}
     shadow = agreement(record for log in logs for record in log)
     if as_json:

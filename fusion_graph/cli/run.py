@@ -32,7 +32,6 @@ from fusion_graph.cli.checks import (
     default_models,
     key_variable,
     needs_local,
-    with_dotenv_key,
 )
 from fusion_graph.cli.common import (
     CloudShare,
@@ -66,7 +65,6 @@ __all__ = [  # the checks and the live table are part of `run` (re-exported)
     "needs_local",
     "run",
     "run_task",
-    "with_dotenv_key",
 ]
 
 DEFAULT_DB = Path(".fusion-graph") / "threads.sqlite"
@@ -186,8 +184,8 @@ async def run_task(
     Args:
         task: The turn's user message.
         context: The run context; ``None``: ``FusionContext()`` (``FUSION_*`` defaults).
-        settings: The operator's settings; ``None``: ``FusionSettings()``, with the cloud
-            key from ``./.env`` if only there (``with_dotenv_key``).
+        settings: The operator's settings; ``None``: ``FusionSettings()`` (its ``api_key()``
+            reads the cloud key from ``./.env`` when the environment has none).
         thread_id: The thread to continue; ``None`` starts a new one with a fresh id.
         new_thread: Allow ``thread_id`` to name a thread with no checkpoint yet (starts it).
         db: SQLite checkpoint file; the memory store is ``store_path(db)`` beside it.
@@ -225,7 +223,7 @@ async def run_task(
     if settings is None:
         from fusion_graph.settings import FusionSettings
 
-        settings = with_dotenv_key(FusionSettings())
+        settings = FusionSettings()
     thread = thread_id or uuid.uuid4().hex[:12]
     config: Any = {"configurable": {"thread_id": thread}}
     modes = ["values"] if on_event is None else ["custom", "updates", "values"]
@@ -390,7 +388,7 @@ def run(
     if not workspace.is_dir():
         raise fail(f"--workspace {workspace} is not a directory")
     run_context = build_context(context)
-    settings = with_dotenv_key(build_settings(workspace_root=str(workspace.resolve())))
+    settings = build_settings(workspace_root=str(workspace.resolve()))
     if key_variable(settings) is None and settings.api_key() is not None:
         stderr_console().print(f"note: {KEY_IN_NAME}: {KEY_IN_NAME_FIX}", highlight=False, soft_wrap=True)
     name = thread or uuid.uuid4().hex[:12]

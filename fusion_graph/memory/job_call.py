@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -146,9 +145,8 @@ async def run_job(
         ) -> Any:
             if placement.body(link.leg) is None or placement.slot is None:
                 return await call()
-            others = placement.turn() if placement.turn is not None else contextlib.nullcontext()
-            # Priming and the job it primes for stay together, and other processes' jobs wait.
-            async with _slot_lock(link, placement.slot), others:
+            # Priming and the job it primes for stay together (other processes' wait in ``ask``).
+            async with _slot_lock(link, placement.slot):
                 headers = dict(placement.headers) if placement.headers else None
                 primed[link.id] = prime and await prime_reflection_slot(link, placement.slot, headers)
                 return await call()

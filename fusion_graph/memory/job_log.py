@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 LEASE_GRACE_S = 5.0
 #: Runs of one job (the first and its re-runs after a crash) before it is given up.
 MAX_ATTEMPTS = 3
-#: The priming request's prompt: shares no prefix with any chat-templated conversation.
 
 
 # -- the job log: pending before a job starts, done after ---------------------

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,6 +33,7 @@ from fusion_graph.memory.job_log import (
     needs_rerun,
     pending_entry,
     pending_everywhere,
+    this_process,
     thread_entries,
     ticket_of,
     with_status,
@@ -52,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 def job_owner() -> str:
     """A name for one run of a job in this process (host, pid, a random part)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    me = this_process()  # the host is looked up once, as the job log names owners
+    return f"{me['host']}:{me['pid']}:{uuid.uuid4().hex[:8]}"
 
 
 async def _keep_claim(shared: SharedState, key: str, owner: str, lease_s: float) -> None:
@@ -126,7 +126,7 @@ class MemoryRuns:
         records = await self.fold(entries, route_log, store, ns)
         if context.sub_runners == "off" or not self.memory_jobs:
             return records
-        for entry in await self._to_rerun([(ns, entry) for entry in entries]):
+        for _, entry in await self._to_rerun([(ns, entry) for entry in entries]):
             key = ticket_of(entry, ns).key
             try:
                 await self._rerun(entry, ns, messages, context, store)
@@ -134,8 +134,10 @@ class MemoryRuns:
                 logger.exception("running memory job %s again failed", key)
         return records
 
-    async def _to_rerun(self, entries: Sequence[tuple[tuple[str, ...], JobEntry]]) -> list[JobEntry]:
-        """The pending runs nobody is doing: their lease lapsed, or their process is gone.
+    async def _to_rerun(
+        self, entries: Sequence[tuple[tuple[str, ...], JobEntry]]
+    ) -> list[tuple[tuple[str, ...], JobEntry]]:
+        """The pending runs nobody is doing, as ``(ns, entry)``: lease lapsed, or process gone.
 
         With shared state, the claims table decides (a claim that lapsed or was
         never made); this process's own view otherwise (and when it cannot be read).
@@ -156,10 +158,10 @@ class MemoryRuns:
                 stale = []
                 for ns, entry in pending:
                     claim = claims.get(ticket_of(entry, ns).key)
-                    if claim is None or not (claim[2] or claim[3]):  # no claim, or neither done nor live
-                        stale.append(entry)
+                    if claim is None or not (claim.done or claim.live):
+                        stale.append((ns, entry))
                 return stale
-        return [entry for _, entry in pending if needs_rerun(entry, now=now, running_here=False)]
+        return [(ns, entry) for ns, entry in pending if needs_rerun(entry, now=now, running_here=False)]
 
     async def fold(
         self,
@@ -196,16 +198,12 @@ class MemoryRuns:
         owner: str | None = None
         attempt = entry.get("attempts", 1) + 1
         shared = self.resolver.shared
-        if shared is not None:
-            candidate = job_owner()
-            try:
-                won = await shared.claim_job(ticket_of(entry, ns).key, candidate, self.claim_lease_s)
-            except SharedStateUnavailable as error:
-                logger.warning("memory jobs: re-running without a shared claim: %s", error)
-            else:
-                if won is None:
-                    return None  # another worker took it first
-                owner, attempt = candidate, max(attempt, won)
+        claimed = await self._claim(ticket_of(entry, ns).key, "re-running")
+        if claimed is not None:
+            owner, won = claimed
+            if won is None:
+                return None  # another worker took it first
+            attempt = max(attempt, won)
         ticket = ticket_of(entry, ns, attempt=attempt)
         if ticket.attempt > MAX_ATTEMPTS:
             why = f"given up after {MAX_ATTEMPTS} runs that never finished"
@@ -226,16 +224,26 @@ class MemoryRuns:
 
     async def claim(self, ticket: JobTicket) -> str | None:
         """Claim a new run in the shared claims table; the owner name, or ``None`` without shared state."""
+        claimed = await self._claim(ticket.key, "running")
+        return None if claimed is None else claimed[0]
+
+    async def _claim(self, key: str, doing: str) -> tuple[str, int | None] | None:
+        """Claim ``key`` for a fresh owner: ``(owner, attempt won)``; ``None`` if it goes unclaimed.
+
+        The attempt is ``None`` when another owner holds the claim. Without shared state,
+        or when it cannot be reached, the run goes ahead unclaimed (``doing`` names it in
+        the warning). ``claim`` and ``_rerun`` share this.
+        """
         shared = self.resolver.shared
         if shared is None:
             return None
         owner = job_owner()
         try:
-            await shared.claim_job(ticket.key, owner, self.claim_lease_s)
+            won = await shared.claim_job(key, owner, self.claim_lease_s)
         except SharedStateUnavailable as error:
-            logger.warning("memory jobs: running without a shared claim: %s", error)
+            logger.warning("memory jobs: %s without a shared claim: %s", doing, error)
             return None
-        return owner
+        return owner, won
 
     async def run_logged(
         self,
@@ -365,10 +373,7 @@ class MemoryRuns:
         context = ensure_context(context)
         count = 0
         everywhere = await pending_everywhere(store)
-        stale = {id(entry) for entry in await self._to_rerun(everywhere)}
-        for ns, entry in everywhere:
-            if id(entry) not in stale:
-                continue
+        for ns, entry in await self._to_rerun(everywhere):
             snapshot = await graph.aget_state({"configurable": {"thread_id": entry["thread_id"]}})
             task = await self._rerun(entry, ns, snapshot.values.get("messages", []), context, store)
             if task is not None:

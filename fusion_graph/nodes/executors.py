@@ -34,7 +34,7 @@ from fusion_graph.nodes.shadow import ShadowChecks, picked
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, StepSizes, overflowed
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.records import StepKind, add_totals, totals_of, unanswered_record
+from fusion_graph.records import StepKind, add_totals, records_totals, unanswered_record
 from fusion_graph.score import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt
@@ -182,16 +182,17 @@ class InferenceNodes:
         if answer is None:
             message = str(exhausted) if exhausted is not None else "no provider answered"
             retry_in = exhausted.retry_in_s if exhausted is not None else None
-            return {
+            stalled: dict[str, Any] = {
                 "route_log": [record, *shadows],
                 "stall": {"node": node, "message": message, "retry_in_s": retry_in},
-            }, False
+            }
+            if shadows:  # shadows that finished meanwhile were paid for all the same
+                stalled["totals"] = records_totals(shadows)
+            return stalled, False
         history = prepared.messages
         batch = check_batch(answer, history=history, tools=self.tools_by_name, context=context)
         anchors = prepared.anchors(anchors, record["leg"], record["prompt_tokens"], record["provider"] or "")
-        totals = totals_of(record)
-        for done in shadows:
-            totals = add_totals(totals, totals_of(done))
+        totals = records_totals([record, *shadows])
         update: dict[str, Any] = {
             "messages": [*prepared.changes, batch.answer, *batch.replies],
             "route_log": [record, *shadows],
@@ -233,7 +234,6 @@ class InferenceNodes:
             chain=chain,
             placer=self.resolver.placement,
             check=check,
-            context=context,
             timeout_s=self.resolver.settings.request_timeout,
             max_tokens=self.sizer.budget_of(cloud, prepared.sizes, context),
         )
@@ -270,8 +270,7 @@ class InferenceNodes:
             update["messages"] = [recalled, *update["messages"]]
         if start.records:  # memory jobs that finished since the last turn: in route_log once
             update["route_log"] = [*start.records, *update["route_log"]]
-            for record in start.records:
-                update["totals"] = add_totals(update.get("totals"), totals_of(record))
+            update["totals"] = add_totals(update.get("totals"), records_totals(start.records))
         update |= {"turn": turn}
         if state.get("latch") is not None:  # a new turn starts unlatched (trouble_signals)
             update["latch"] = None

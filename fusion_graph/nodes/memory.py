@@ -32,7 +32,7 @@ from fusion_graph.memory.jobs import JobTicket
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.memory.store import memory_message, namespace_of, recall
 from fusion_graph.providers.ask import ROUTE_EVENT
-from fusion_graph.records import RouteRecord, add_totals, totals_of
+from fusion_graph.records import RouteRecord, records_totals
 from fusion_graph.state import State
 from fusion_graph.turn import turn_start
 
@@ -65,11 +65,9 @@ def records_update(records: Sequence[RouteRecord], runtime: Runtime[Any]) -> dic
     """A state update adding ``records`` to ``route_log`` and ``totals``, each streamed as an outcome."""
     if not records:
         return {}
-    totals: dict[str, Any] = {}
     for record in records:
         runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
-        totals = add_totals(totals, totals_of(record))
-    return {"route_log": list(records), "totals": totals}
+    return {"route_log": list(records), "totals": records_totals(records)}
 
 
 class MemoryNodes:

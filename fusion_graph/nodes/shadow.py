@@ -25,7 +25,6 @@ from langchain_core.tools import BaseTool
 from langgraph.constants import TAG_NOSTREAM
 
 from fusion_graph.budget import BudgetCheck
-from fusion_graph.context import FusionContext
 from fusion_graph.providers.ask import Ask, Asked, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.placement import Placer
@@ -74,7 +73,6 @@ class ShadowChecks:
         chain: ProviderChain,
         placer: Placer,
         check: BudgetCheck,
-        context: FusionContext,
         timeout_s: float | None,
         max_tokens: int,
     ) -> bool:
@@ -102,12 +100,19 @@ class ShadowChecks:
         return True
 
     def answered(self, thread_id: str, turn: int, step: int, local: AIMessage | None) -> None:
-        """The local answer of the step a shadow runs beside (``None``: the step did not answer locally)."""
-        for pending in self._pending.get(thread_id, []):
-            if (pending.turn, pending.step) == (turn, step) and pending.local is None:
+        """The local answer of the step a shadow runs beside (``None``: the step did not answer locally).
+
+        Without a local answer there is nothing to compare: the shadow is
+        cancelled and forgotten (cancelling a finished task would keep it).
+        """
+        pending = self._pending.get(thread_id, [])
+        for item in pending:
+            if (item.turn, item.step) == (turn, step) and item.local is None:
                 if local is None:
-                    pending.task.cancel()
-                pending.local = local
+                    item.task.cancel()
+                item.local = local
+        if local is None:
+            pending[:] = [item for item in pending if (item.turn, item.step) != (turn, step)]
 
     def fold(self, thread_id: str) -> list[RouteRecord]:
         """The records of the thread's shadows that have finished (never waits for one)."""

@@ -26,6 +26,7 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
 from fusion_graph.context import ensure_context
+from fusion_graph.inputs import thread_id_of
 from fusion_graph.nodes.dispatch import make_tool_node
 from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.sampling import sampling_scope
@@ -41,11 +42,10 @@ async def wrap_tool_call(
     """``ToolNode``'s hook around each call: collect its sampling records, scrub and cap its result."""
     context = ensure_context(request.runtime.context)
     state = request.state if isinstance(request.state, dict) else {}
-    thread = (request.runtime.config.get("configurable") or {}).get("thread_id")
     with sampling_scope(
         turn=int(state.get("turn", 0)),
         step=int(state.get("step", 0)),
-        thread_id=str(thread or "default"),
+        thread_id=thread_id_of(request.runtime.config),
         context=context,
         route_log=state.get("route_log") or (),
     ) as scope:
@@ -72,8 +72,23 @@ def with_records(output: ToolMessage | Command[Any], records: Sequence[RouteReco
         added["totals"] = totals
     if isinstance(output, ToolMessage):
         return Command(update={"messages": [output], **added})
-    update = output.update if isinstance(output.update, dict) else {}
-    return Command(graph=output.graph, update={**update, **added}, resume=output.resume, goto=output.goto)
+    return Command(
+        graph=output.graph, update=_joined(output.update, added), resume=output.resume, goto=output.goto
+    )
+
+
+def _joined(update: Any, added: dict[str, Any]) -> Any:
+    """A tool's own ``Command.update`` (a dict or ``(key, value)`` pairs) with ``added`` after it."""
+    if update is None:
+        return added
+    if isinstance(update, dict):
+        return {**update, **added}
+    if isinstance(update, list | tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in update):
+        return [*update, *added.items()]  # each pair goes through the channel's reducer in order
+    raise TypeError(
+        f"a tool that asks for MCP sampling must return Command(update=...) as a dict or (key, value) "
+        f"pairs, not {type(update).__name__}"
+    )
 
 
 def make_tools_node(tools: Sequence[BaseTool]) -> ToolNode:

@@ -25,6 +25,7 @@ every call is made and recorded the same way:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -311,7 +312,9 @@ async def ask(
         def once() -> Awaitable[AIMessage]:
             return _model_call(model, call.prompt, config, link, bounds.timeout_s, kwargs)
 
-        return await (around(link, placement, once) if around is not None else once())
+        # A slot other processes send to (the reflection slot) takes one request at a time.
+        async with placement.turn() if placement.turn is not None else contextlib.nullcontext():
+            return await (around(link, placement, once) if around is not None else once())
 
     walk = _Walk(bounds)
     try:

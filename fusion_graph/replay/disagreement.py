@@ -188,12 +188,19 @@ def fit_dial(trajectories: Sequence[Sequence[Label]], target: float, context: Fu
     ``100 × target`` is routed, and the share within the target with the highest
     recall is kept.
     """
+    return _fit_dial(trajectories, target, context)[0]
+
+
+def _fit_dial(
+    trajectories: Sequence[Sequence[Label]], target: float, context: FusionContext
+) -> tuple[Dial, LabelledTraces]:
+    """``fit_dial``, and the steps it scored: the dial's own score, so its caller need not score again."""
     labelled = scored_labels(trajectories, context)
     table = fit_quantiles(labelled.traces, context.hysteresis, latch=context.trouble_signals)
     fitted = dataclasses.replace(context, score_quantiles=table)
     top = min(100, share_for(target) + SEARCH_PAST)
     best = best_within(recall_curve(labelled, fitted, range(top + 1)), target)
-    return Dial(dataclasses.replace(fitted, cloud_share=best.cloud_share), best)
+    return Dial(dataclasses.replace(fitted, cloud_share=best.cloud_share), best), labelled
 
 
 def calibrate_labels(
@@ -236,14 +243,23 @@ def calibrate_labels(
         contexts = [
             dataclasses.replace(base, trouble_signals=True, trouble_weights=w) for w in _weights(grid)
         ]
-    candidates = tuple(fit_dial(trajectories, target, ctx) for ctx in contexts)
-    chosen = max(
-        candidates, key=lambda dial: (dial.point.recall, -dial.point.share, -_distance(dial.context))
+    fitted: list[Dial] = []
+
+    def fit(ctx: FusionContext) -> tuple[Dial, LabelledTraces]:
+        dial, labelled = _fit_dial(trajectories, target, ctx)
+        fitted.append(dial)
+        return dial, labelled
+
+    # max() holds only the best fit's scored steps, and they are the chosen dial's own: the score
+    # reads only the trouble switch and weights (``labels.rule_score``), which fitting leaves as is.
+    chosen, chosen_labelled = max(
+        map(fit, contexts),
+        key=lambda one: (one[0].point.recall, -one[0].point.share, -_distance(one[0].context)),
     )
+    candidates = tuple(fitted)
     seed_context = dataclasses.replace(base, trouble_signals=False, trouble_weights=None)
     seed_labelled = scored_labels(trajectories, seed_context)
     seed_curve = recall_curve(seed_labelled, seed_context)
-    chosen_labelled = scored_labels(trajectories, chosen.context)
     paced_context = dataclasses.replace(chosen.context, pace_slack=pace_slack)
     paced = recall_at(chosen_labelled, paced_context) if pace_slack is not None else None
     drawn: dict[str, list[RecallPoint]] = {}

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from langchain_core.messages import AIMessage, BaseMessage
-from langchain_core.tools import BaseTool, StructuredTool
+from langchain_core.tools import BaseTool, StructuredTool, ToolException
 
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import TraceError
@@ -75,8 +75,9 @@ class StepToLabel:
     tools: tuple[BaseTool, ...] = ()
 
 
-def _not_run(**_: Any) -> str:
-    raise NotImplementedError("a labelling tool is a schema only: it is never run")
+def _recorded_only(**_: Any) -> str:
+    """A recorded trace's tool has a schema and no body: labelling asks for answers, it never runs calls."""
+    raise ToolException("this tool comes from a recorded trace: only its schema is known, so it cannot run")
 
 
 def schema_tools(schemas: Iterable[Mapping[str, Any]]) -> tuple[BaseTool, ...]:
@@ -90,7 +91,7 @@ def schema_tools(schemas: Iterable[Mapping[str, Any]]) -> tuple[BaseTool, ...]:
                 name=function["name"],
                 description=function.get("description") or "",
                 args_schema=dict(parameters),
-                func=_not_run,
+                func=_recorded_only,
             )
         )
     return tuple(tools)
@@ -306,9 +307,14 @@ def read_label_lines(path: Path) -> list[dict[str, Any]]:
     Raises:
         TraceError: A line that is not a label, naming the file and line.
     """
+    return [data for data, _ in _parsed_lines(path)]
+
+
+def _parsed_lines(path: Path) -> list[tuple[dict[str, Any], Label]]:
+    """Each kept line of a labels file with its label (``read_label_lines``): parsed once for both."""
     text = path.read_text(encoding="utf-8")
     lines = text.split("\n")
-    kept: dict[LabelKey, dict[str, Any]] = {}
+    kept: dict[LabelKey, tuple[dict[str, Any], Label]] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -319,7 +325,7 @@ def read_label_lines(path: Path) -> list[dict[str, Any]]:
             if number == len(lines):  # no newline after it: cut short while being written
                 continue
             raise TraceError(f"{path}:{number}: {error}") from error
-        kept[label.key] = data
+        kept[label.key] = (data, label)
     return list(kept.values())
 
 
@@ -331,7 +337,7 @@ def read_labels(path: Path) -> list[Label]:
     """
     if not path.is_file():
         raise TraceError(f"no labels file at {path}: `fusion-graph label TRACES --out {path}` writes one")
-    return [parse_label(line) for line in read_label_lines(path)]
+    return [label for _, label in _parsed_lines(path)]
 
 
 def shadow_labels(route_logs: Mapping[str, Sequence[RouteRecord]], *, trace: str = "threads") -> list[Label]:

@@ -14,11 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from langchain_core.messages import BaseMessage
-
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import CalibrationError
-from fusion_graph.replay.history import ReplayedStep, route_history
+from fusion_graph.replay.history import ReplayedStep
 from fusion_graph.replay.replayed import add_cost
 from fusion_graph.routing import Latch, Pace, decide_leg
 from fusion_graph.score import Leg, RouteDecision, StepScore, TroubleSignals
@@ -69,11 +67,6 @@ def scored_steps(
         progress = isinstance(item.signals, TroubleSignals) and item.signals.progress
         steps.append(ScoredStep(item.step, item.decision.score, cloud_cost, local_cost, progress))
     return steps
-
-
-def score_trajectory(messages: Sequence[BaseMessage], context: FusionContext) -> list[ScoredStep]:
-    """Replay one conversation with the graph's own routing and keep each step's score."""
-    return scored_steps(route_history(messages, context))
 
 
 def route_scores(trace: Trace, context: FusionContext) -> list[RouteDecision]:
@@ -128,21 +121,6 @@ class ShareCount:
         return ShareCount(self.steps + other.steps, self.cloud + other.cloud)
 
 
-def continuation_share(steps: Sequence[int], legs: Sequence[Leg]) -> ShareCount:
-    """Count the continuation steps (``step > 0``) of one trajectory and those on cloud."""
-    pairs = [(step, leg) for step, leg in zip(steps, legs, strict=True) if step > 0]
-    return ShareCount(len(pairs), sum(leg == "cloud" for _, leg in pairs))
-
-
-def share_of(traces: Iterable[Trace], context: FusionContext) -> ShareCount:
-    """Continuation steps of ``traces`` on cloud under ``context`` (via ``route_scores``)."""
-    total = ShareCount()
-    for trace in traces:
-        legs = [decision.leg for decision in route_scores(trace, context)]
-        total = total + continuation_share([item.step for item in trace], legs)
-    return total
-
-
 @dataclass(frozen=True)
 class Shares:
     """Where one dial sends the steps of a set of trajectories: all of them, the continuations, cost.
@@ -178,6 +156,11 @@ class Shares:
         if of == "all":
             return self.all.fraction
         return self.cost_fraction
+
+
+def share_of(traces: Iterable[Trace], context: FusionContext) -> ShareCount:
+    """Continuation steps of ``traces`` on cloud under ``context``: ``shares_of(...).continuation``."""
+    return shares_of(traces, context).continuation
 
 
 def shares_of(traces: Iterable[Trace], context: FusionContext) -> Shares:

@@ -42,6 +42,7 @@ from fusion_graph_testing.langgraph_server import (
 )
 from fusion_graph_testing.llama_server import (
     DEFAULT_LLAMA_CPP_PYTHON_VERSION,
+    TOOLS_TEMPLATE,
     LlamaServer,
     LlamaServerError,
     LlamaServerNotBuilt,
@@ -54,6 +55,7 @@ from fusion_graph_testing.llama_server import (
     supports_flag,
     vocab_dir,
     vocab_path,
+    write_chat_template,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ __all__ = [
     "DEFAULT_ROUTING_KEY_HEADER",
     "ROUTED_WORKER_HEADER",
     "SUPPORTED_ARCHS",
+    "TOOLS_TEMPLATE",
     "Gateway",
     "GatewayError",
     "GatewayNotInstalled",
@@ -96,6 +99,7 @@ __all__ = [
     "supports_flag",
     "vocab_dir",
     "vocab_path",
+    "write_chat_template",
     "write_tiny_model",
 ]
 

@@ -28,7 +28,6 @@ What was measured with smg 1.13 and llama-server:
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any, Self
 
 import httpx
 
+from fusion_graph_testing.executables import find_executable, require_executable
 from fusion_graph_testing.llama_server import HOST, free_port
 from fusion_graph_testing.process import ManagedProcess
 
@@ -67,10 +67,6 @@ class GatewayError(RuntimeError):
     """The gateway process failed to start, or its workers did not become healthy."""
 
 
-def _executable(path: Path) -> bool:
-    return path.is_file() and os.access(path, os.X_OK)
-
-
 def find_smg() -> Path | None:
     """Locates the ``smg`` launcher without installing anything.
 
@@ -81,15 +77,7 @@ def find_smg() -> Path | None:
     Returns:
         The executable's path, or None if there is none.
     """
-    explicit = os.environ.get("SMG_BIN")
-    if explicit:
-        path = Path(explicit).expanduser()
-        return path if _executable(path) else None
-    on_path = shutil.which("smg")
-    if on_path:
-        return Path(on_path)
-    beside = Path(sys.executable).parent / "smg"
-    return beside if _executable(beside) else None
+    return find_executable("SMG_BIN", "smg", Path(sys.executable).parent / "smg")
 
 
 def ensure_smg() -> Path:
@@ -98,15 +86,12 @@ def ensure_smg() -> Path:
     Raises:
         GatewayNotInstalled: None found; the message says how to install it.
     """
-    found = find_smg()
-    if found is not None:
-        return found
-    explicit = os.environ.get("SMG_BIN")
-    if explicit:
-        raise GatewayNotInstalled(f"SMG_BIN={explicit} is not an executable file; fix or unset it")
-    raise GatewayNotInstalled(
+    return require_executable(
+        find_smg(),
+        "SMG_BIN",
+        GatewayNotInstalled,
         f"smg (the SGLang model gateway) not found on PATH or beside {sys.executable}; "
-        f"install it with `{INSTALL_HINT}`, or point SMG_BIN at the executable"
+        f"install it with `{INSTALL_HINT}`, or point SMG_BIN at the executable",
     )
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import httpx
 
+from fusion_graph_testing.executables import find_executable, require_executable
 from fusion_graph_testing.llama_server import HOST, free_port
 from fusion_graph_testing.process import ManagedProcess
 
@@ -113,10 +113,6 @@ class LangGraphServerError(RuntimeError):
     """A server process failed to start, died, or a run did not show up in the logs in time."""
 
 
-def _executable(path: Path) -> bool:
-    return path.is_file() and os.access(path, os.X_OK)
-
-
 def source_root() -> Path | None:
     """The source checkout this module lives in (the folder with ``langgraph.json``), if any."""
     for parent in Path(__file__).resolve().parents:
@@ -135,18 +131,9 @@ def find_langhost() -> Path | None:
     Returns:
         The executable's path, or None if there is none.
     """
-    explicit = os.environ.get("LANGHOST_BIN")
-    if explicit:
-        path = Path(explicit).expanduser()
-        return path if _executable(path) else None
     root = source_root()
-    candidates = [root / SERVER_VENV / "bin" / "langhost"] if root is not None else []
-    candidates.append(Path(sys.executable).parent / "langhost")
-    for candidate in candidates:
-        if _executable(candidate):
-            return candidate
-    on_path = shutil.which("langhost")
-    return Path(on_path) if on_path else None
+    checkout = [root / SERVER_VENV / "bin" / "langhost"] if root is not None else []
+    return find_executable("LANGHOST_BIN", *checkout, Path(sys.executable).parent / "langhost", "langhost")
 
 
 def ensure_langhost() -> Path:
@@ -155,30 +142,17 @@ def ensure_langhost() -> Path:
     Raises:
         LangGraphServerNotInstalled: None found; the message says how to install it.
     """
-    found = find_langhost()
-    if found is not None:
-        return found
-    explicit = os.environ.get("LANGHOST_BIN")
-    if explicit:
-        raise LangGraphServerNotInstalled(
-            f"LANGHOST_BIN={explicit} is not an executable file; fix or unset it"
-        )
-    raise LangGraphServerNotInstalled(
-        f"langhost (the LangGraph server on Postgres + Redis) not found; {INSTALL_HINT}"
+    return require_executable(
+        find_langhost(),
+        "LANGHOST_BIN",
+        LangGraphServerNotInstalled,
+        f"langhost (the LangGraph server on Postgres + Redis) not found; {INSTALL_HINT}",
     )
 
 
 def find_redis_server() -> Path | None:
     """``$REDIS_SERVER_BIN``, else ``redis-server`` on ``PATH``, else ``/usr/bin/redis-server``."""
-    explicit = os.environ.get("REDIS_SERVER_BIN")
-    if explicit:
-        path = Path(explicit).expanduser()
-        return path if _executable(path) else None
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return Path(on_path)
-    debian = Path("/usr/bin/redis-server")
-    return debian if _executable(debian) else None
+    return find_executable("REDIS_SERVER_BIN", "redis-server", Path("/usr/bin/redis-server"))
 
 
 def ensure_redis_server() -> Path:
@@ -187,15 +161,12 @@ def ensure_redis_server() -> Path:
     Raises:
         LangGraphServerNotInstalled: None found; the message says how to install it.
     """
-    found = find_redis_server()
-    if found is not None:
-        return found
-    explicit = os.environ.get("REDIS_SERVER_BIN")
-    if explicit:
-        raise LangGraphServerNotInstalled(
-            f"REDIS_SERVER_BIN={explicit} is not an executable file; fix or unset it"
-        )
-    raise LangGraphServerNotInstalled(f"redis-server not found; {REDIS_INSTALL_HINT}")
+    return require_executable(
+        find_redis_server(),
+        "REDIS_SERVER_BIN",
+        LangGraphServerNotInstalled,
+        f"redis-server not found; {REDIS_INSTALL_HINT}",
+    )
 
 
 def server_database_url(url: str) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any, Self
 
 import httpx
 
+from fusion_graph_testing.executables import bad_explicit, find_executable, is_executable
 from fusion_graph_testing.process import ManagedProcess
 
 #: llama-cpp-python release whose vendored llama.cpp the build script compiles.
@@ -33,6 +33,9 @@ DEFAULT_LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 HOST = "127.0.0.1"
 
 _BUILD_SCRIPT = Path("scripts") / "build_llama_server.sh"
+
+#: The build cache's tool-capable template that pairs with the qwen2 vocab (renders tools and tool messages).
+TOOLS_TEMPLATE = "Qwen-Qwen2.5-7B-Instruct"
 
 
 class LlamaServerNotBuilt(RuntimeError):
@@ -54,10 +57,6 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / f"llama-server-{version}"
 
 
-def _executable(path: Path) -> bool:
-    return path.is_file() and os.access(path, os.X_OK)
-
-
 def find_llama_server() -> Path | None:
     """Locates a ``llama-server`` binary without building anything.
 
@@ -67,15 +66,7 @@ def find_llama_server() -> Path | None:
     Returns:
         The binary's path, or None if there is none.
     """
-    explicit = os.environ.get("LLAMA_SERVER_BIN")
-    if explicit:
-        path = Path(explicit).expanduser()
-        return path if _executable(path) else None
-    cached = cache_dir() / "bin" / "llama-server"
-    if _executable(cached):
-        return cached
-    on_path = shutil.which("llama-server")
-    return Path(on_path) if on_path else None
+    return find_executable("LLAMA_SERVER_BIN", cache_dir() / "bin" / "llama-server", "llama-server")
 
 
 def build_script() -> Path | None:
@@ -88,9 +79,9 @@ def build_script() -> Path | None:
 
 
 def _how_to_build() -> str:
-    explicit = os.environ.get("LLAMA_SERVER_BIN")
-    if explicit:
-        return f"LLAMA_SERVER_BIN={explicit} is not an executable file; fix or unset it"
+    explicit = bad_explicit("LLAMA_SERVER_BIN")
+    if explicit is not None:
+        return explicit
     script = build_script()
     where = str(script) if script else str(_BUILD_SCRIPT)
     return (
@@ -128,7 +119,7 @@ def ensure_llama_server(build: bool = False) -> Path:
     if not printed:
         raise LlamaServerNotBuilt(f"{script} succeeded but did not print its cache directory")
     built = Path(printed[-1]) / "bin" / "llama-server"
-    if not _executable(built):
+    if not is_executable(built):
         raise LlamaServerNotBuilt(f"{script} finished but {built} is not an executable")
     return built
 
@@ -170,6 +161,17 @@ def chat_template(name: str) -> str:
     ``Qwen-Qwen2.5-7B-Instruct`` pairs with the qwen2 vocab and supports tools.
     """
     return (vocab_dir() / "templates" / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def write_chat_template(folder: Path, name: str = TOOLS_TEMPLATE) -> Path:
+    """Writes :func:`chat_template` ``name`` to ``folder/<name>.jinja`` and returns that path.
+
+    What ``--chat-template-file`` takes: every server started with a template from the
+    build cache (tests, benchmarks) gets the file the same way.
+    """
+    path = folder / f"{name}.jinja"
+    path.write_text(chat_template(name), encoding="utf-8")
+    return path
 
 
 @functools.cache

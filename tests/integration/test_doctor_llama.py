@@ -20,13 +20,12 @@ import typer
 from typer.testing import Result
 
 from fusion_graph.cli.doctor import doctor
-from fusion_graph_testing import LlamaServer, chat_template, supports_flag
+from fusion_graph_testing import LlamaServer, supports_flag, write_chat_template
 from fusion_graph_testing.fake_openai import FakeOpenAI
 from tests.unit.cli.test_traces import runner
 
 pytestmark = pytest.mark.llama
 
-TEMPLATE = "Qwen-Qwen2.5-7B-Instruct"
 #: Half the tiny model's 4096-token slots, so the window check passes too.
 CONTEXT = json.dumps({"max_completion_tokens": 2048})
 
@@ -40,8 +39,7 @@ def tools_server(
 ) -> Iterator[LlamaServer]:
     """``--jinja`` and a template that renders tools."""
     workdir = tmp_path_factory.mktemp("doctor-good")
-    template = workdir / f"{TEMPLATE}.jinja"
-    template.write_text(chat_template(TEMPLATE), encoding="utf-8")
+    template = write_chat_template(workdir)
     with LlamaServer(
         tiny_model,
         binary=llama_server_bin,

@@ -18,13 +18,12 @@ from langchain_core.messages import AIMessage
 
 from fusion_graph.cli.app import app
 from fusion_graph.replay.traces import SAMPLE_TRACES, load_trajectories
-from fusion_graph_testing import LlamaServer, chat_template
+from fusion_graph_testing import LlamaServer, write_chat_template
 from tests.plugins.llama import N_SLOTS
 from tests.unit.cli.test_traces import runner
 
 pytestmark = pytest.mark.llama
 
-TEMPLATE = "Qwen-Qwen2.5-7B-Instruct"
 KEYS = {
     "trace",
     "line",
@@ -52,8 +51,7 @@ def server(
 ) -> Iterator[LlamaServer]:
     """``--jinja`` with a template that renders tools, ``N_SLOTS`` slots of 4,096 tokens."""
     workdir = tmp_path_factory.mktemp("label-llama")
-    template = workdir / f"{TEMPLATE}.jinja"
-    template.write_text(chat_template(TEMPLATE), encoding="utf-8")
+    template = write_chat_template(workdir)
     with LlamaServer(
         tiny_model,
         binary=llama_server_bin,

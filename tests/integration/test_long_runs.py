@@ -30,7 +30,7 @@ from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import CUT_KEY
-from fusion_graph_testing import LlamaServer, chat_template
+from fusion_graph_testing import LlamaServer, write_chat_template
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 from tests.plugins.scripted_llama import Recorder, Script, ScriptedLlama, scripted_llama
@@ -39,7 +39,6 @@ pytestmark = pytest.mark.llama
 
 #: Tokens one slot of the module's server holds (``-c`` = 2 slots × this).
 SLOT_WINDOW = 2048
-TEMPLATE = "Qwen-Qwen2.5-7B-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +47,7 @@ def small_server(
 ) -> Iterator[LlamaServer]:
     """Two slots of 2,048 tokens, with a template that renders tools and tool messages."""
     workdir = tmp_path_factory.mktemp("long-runs")
-    template = workdir / f"{TEMPLATE}.jinja"
-    template.write_text(chat_template(TEMPLATE), encoding="utf-8")
+    template = write_chat_template(workdir)
     with LlamaServer(
         tiny_model,
         binary=llama_server_bin,

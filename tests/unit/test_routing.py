@@ -308,6 +308,21 @@ def test_reasons_name_score_and_threshold(current: Leg, value: int) -> None:
     assert decision.score is not None and decision.score.score == value
 
 
+@pytest.mark.parametrize(
+    ("current", "value", "reason"),
+    [
+        ("cloud", 60, "score 60 >= 60 (T=70 - h=10): stay on cloud"),
+        ("cloud", 59, "score 59 < 60 (T=70 - h=10): back to local"),
+        ("local", 80, "score 80 >= 80 (T=70 + h=10): escalate to cloud"),
+        (None, 79, "score 79 < 80 (T=70 + h=10): stay local"),
+    ],
+)
+def test_each_side_of_the_band_has_its_reason(current: Leg | None, value: int, reason: str) -> None:
+    decision = decide_leg(mode="fusion", step=2, current_leg=current, score=score_of(value), cloud_share=30)
+    assert decision.reason == reason
+    assert decision.leg == ("cloud" if ">=" in reason else "local")
+
+
 def test_cloud_threshold_is_100_minus_cloud_share() -> None:
     assert [cloud_threshold(s) for s in (0, 30, 100)] == [100, 70, 0]
 
@@ -829,6 +844,33 @@ def test_trouble_signals_know_when_the_latch_holds() -> None:
     assert not base.held
     assert dataclasses.replace(base, latched=2).held
     assert not dataclasses.replace(base, latched=2, progress=True).held
+
+
+def test_one_latch_rule_says_when_it_holds() -> None:
+    assert routing.Latch is score.Latch
+    assert [Latch().held, Latch(2).held, Latch(2, progress=True).held, Latch(None, True).held] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    signals = dataclasses.replace(troubled(), latched=2, progress=True)
+    assert signals.latch == Latch(2, progress=True) and signals.held is signals.latch.held
+
+
+def test_the_base_points_are_the_four_terms_alone() -> None:
+    plain = StepScore(score=0, context_pressure=10.1, turn_depth=2.2, transient_notice=0, tail_growth=0.33)
+    assert plain.base_points == plain.points == round(10.1 + 2.2 + 0 + 0.33, 2)
+    scored = trouble_score(40.25, 30.5)
+    assert scored.base_points == 40.25 and scored.points == round(40.25 + 30.5 + 0, 2)
+
+
+def test_recorded_signals_and_breakdowns_name_their_class() -> None:
+    plain, with_trouble = sig(), troubled(0.5)
+    assert score.signals_type(vars(plain)) is StepSignals
+    assert score.signals_type(vars(with_trouble)) is TroubleSignals
+    assert score.score_type(score_step(plain).breakdown()) is StepScore
+    assert score.score_type(score_step(with_trouble).breakdown()) is TroubleScore
 
 
 def test_trouble_weights_replace_the_default_points_of_the_trouble_terms() -> None:

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
@@ -187,3 +187,36 @@ async def test_report_shows_agreement_by_score_band(tmp_path: Any) -> None:
     assert all(band["agree_fraction"] == 0 for band in shadow["bands"].values())
     table = runner.invoke(app, ["report", "--db", str(db)], env={"COLUMNS": "80"})
     assert "shadow checks" in table.stdout and f" {shadow['checked']} " in table.stdout
+
+
+async def test_a_finished_shadow_of_a_step_that_did_not_answer_locally_is_forgotten() -> None:
+    from fusion_graph.budget import UNLIMITED
+    from fusion_graph.nodes.shadow import ShadowChecks
+    from fusion_graph.providers.chain import ProviderChain
+    from fusion_graph.providers.links import ChainLink
+    from fusion_graph.providers.placement import FixedPlacement
+    from fusion_graph.providers.pricing import FREE, Pricing
+    from tests.plugins.fakes import ScriptedModel
+
+    cloud = ChainLink(
+        "cloud:c", "cloud", ScriptedModel(messages=iter([AIMessage("cloud")])), Pricing.flat(FREE)
+    )
+    checks = ShadowChecks()
+    started = checks.start(
+        thread_id="t",
+        turn=0,
+        step=1,
+        score=None,
+        prompt=[HumanMessage("hi")],
+        tools=[],
+        chain=ProviderChain([cloud]),
+        placer=FixedPlacement(),
+        check=UNLIMITED,
+        timeout_s=None,
+        max_tokens=16,
+    )
+    assert started
+    [pending] = checks._pending["t"]
+    await pending.task  # the cloud answered before the step's own outcome was known
+    checks.answered("t", 0, 1, None)  # the step fell over: nothing to compare it with
+    assert checks.fold("t") == [] and not checks._pending.get("t")

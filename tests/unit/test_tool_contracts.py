@@ -365,3 +365,19 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     assert len(steps) == 2 and len(decided) == 2  # a two-call batch (joined at route), then a lone call
     assert [r["score"] for r in steps] == decided
     assert out.get("route") is None, "the executor clears the decision it acted on"
+
+
+def test_a_sampling_tool_s_own_command_update_is_kept_beside_its_records() -> None:
+    from fusion_graph.nodes.tools import with_records
+    from fusion_graph.records import unanswered_record
+    from fusion_graph.score import RouteDecision
+
+    decision = RouteDecision(leg="local", score=None, threshold=None, reason="a sample")
+    record = unanswered_record(turn=0, step=1, kind="sampling", decision=decision)
+    reply = ToolMessage("done", tool_call_id="c1")
+    as_pairs = with_records(Command(update=[("messages", [reply]), ("notes", "kept")]), [record])
+    assert as_pairs.update == [("messages", [reply]), ("notes", "kept"), ("route_log", [record])]
+    as_dict = with_records(Command(update={"notes": "kept"}), [record])
+    assert as_dict.update == {"notes": "kept", "route_log": [record]}
+    with pytest.raises(TypeError, match="dict or \\(key, value\\) pairs"):
+        with_records(Command(update=object()), [record])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,14 +12,23 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 
 from fusion_graph.tools.batch import batch_notice
 from fusion_graph.trouble import (
+    ERROR_DECAY,
     ERROR_UNIT,
     NO_PROGRESS_WINDOW,
+    Batch,
+    TurnTrouble,
     call_key,
+    error_severity,
+    fold_trouble,
+    fold_turn,
     no_progress_share,
+    progress_event,
     result_kind,
     text_kind,
+    turn_batches,
     turn_trouble,
 )
+from fusion_graph.turn import turn_fold
 
 _ids = iter(range(1_000_000))
 
@@ -226,3 +237,157 @@ def test_results_are_found_by_call_id_whatever_their_order() -> None:
     batch: Sequence[BaseMessage] = step(failing("a"), ok("b"))
     reordered = [batch[0], batch[2], batch[1]]
     assert turn_trouble(reordered) == turn_trouble(batch)
+
+
+# --------------------------------------------------------------------------- incremental fold
+
+
+def reference_batches(turn_messages: Sequence[BaseMessage]) -> list[Batch]:
+    """The turn's batches as the whole-turn pass read them before the fold (kept verbatim to pin it)."""
+    batches: list[Batch] = []
+    seen: set[str] = set()
+    for message in turn_messages:
+        if isinstance(message, AIMessage):
+            batch = Batch()
+            for call in message.tool_calls:
+                key = call_key(call["name"], call["args"])
+                batch.keys.append(key)
+                batch.new.append(key not in seen)
+                batch.ids.append(call.get("id"))
+                seen.add(key)
+            batches.append(batch)
+        elif isinstance(message, ToolMessage) and batches:
+            batches[-1].results[message.tool_call_id] = result_kind(message)
+    return batches
+
+
+def reference_severity(batches: Sequence[Batch]) -> float:
+    total = 0.0
+    for age, batch in enumerate(reversed(batches)):
+        total += ERROR_UNIT * ERROR_DECAY**age * batch.kinds.count("error")
+    return min(total, 1.0)
+
+
+def reference_progress(batches: Sequence[Batch]) -> bool:
+    if not batches:
+        return False
+    *earlier, latest = batches
+    kinds = latest.kinds
+    if "pass" in kinds:
+        return True
+    unanswered = False
+    for batch in earlier:
+        done = batch.kinds
+        unanswered = "error" in done or (unanswered and all(kind == "error" for kind in done))
+    if unanswered and any(kind != "error" for kind in kinds):
+        return True
+    looped = bool(earlier) and bool(earlier[-1].keys) and not any(earlier[-1].new)
+    return looped and latest.new_success()
+
+
+def reference_trouble(turn_messages: Sequence[BaseMessage], window: int = NO_PROGRESS_WINDOW) -> TurnTrouble:
+    """The trouble signals folded over the whole turn, as every step computed them before the fold."""
+    batches = reference_batches(turn_messages)
+    repeated, calls = no_progress_share([key for batch in batches for key in batch.keys], window)
+    return TurnTrouble(
+        error_severity=round(reference_severity(batches), 4),
+        no_progress=round(repeated / calls, 4) if calls else 0.0,
+        progress=reference_progress(batches),
+        errors=sum(batch.kinds.count("error") for batch in batches),
+        repeated=repeated,
+        window=calls,
+    )
+
+
+def long_turn(steps: int = 120, seed: int = 7) -> list[BaseMessage]:
+    """A long turn with errors (status and text), repeats, cycles, passing tests, empty and odd batches."""
+    rng = random.Random(seed)
+    messages: list[BaseMessage] = []
+    for index in range(steps):
+        roll = rng.random()
+        if roll < 0.05:
+            messages.append(AIMessage("thinking"))  # a batch without calls
+            continue
+        calls = []
+        for _ in range(rng.choice((1, 1, 1, 2, 3))):
+            key = f"k{index}" if rng.random() < 0.4 else f"k{rng.randrange(6)}"  # new input, or a repeat
+            result: str | tuple[str, str]
+            kind = rng.random()
+            if kind < 0.2:
+                result = (f"Error: no {key}", "error")
+            elif kind < 0.3:
+                result = "Traceback (most recent call last):\n  x\nValueError: bad"
+            elif kind < 0.4:
+                result = "==== 3 passed in 0.1s ===="
+            else:
+                result = f"value of {key}"
+            calls.append(("lookup", {"key": key}, result))
+        batch = step(*calls)
+        if len(batch) > 2 and rng.random() < 0.3:
+            batch = [batch[0], *reversed(batch[1:])]  # results out of call order
+        if rng.random() < 0.05:  # a result sent again for the same call: the later one counts
+            first = batch[1]
+            assert isinstance(first, ToolMessage)
+            batch.append(ToolMessage("fine now", tool_call_id=first.tool_call_id))
+        messages.extend(batch)
+    return messages
+
+
+def test_the_long_turn_has_every_kind_of_trouble() -> None:
+    messages = long_turn()
+    states = [reference_trouble(messages[:end]) for end in range(len(messages) + 1)]
+    assert any(0 < state.error_severity < 1 for state in states)
+    assert any(state.error_severity == 1 for state in states)
+    assert any(state.no_progress >= 0.5 for state in states)
+    assert any(state.progress for state in states) and not all(state.progress for state in states)
+
+
+@pytest.mark.parametrize("window", [NO_PROGRESS_WINDOW, 0, 3, 1000])
+def test_the_fold_extended_message_by_message_is_the_whole_turn_pass(window: int) -> None:
+    messages = long_turn()
+    folded = fold_turn([])
+    for end in range(len(messages) + 1):
+        prefix = messages[:end]
+        if end:
+            folded = fold_turn(prefix[end - 1 :], folded)
+        batches = reference_batches(prefix)
+        assert list(folded.batches) == batches == turn_batches(prefix)
+        assert folded.length == end
+        assert (
+            fold_trouble(folded, window) == reference_trouble(prefix, window) == turn_trouble(prefix, window)
+        )
+        assert error_severity(batches) == reference_severity(batches)  # bit for bit, before rounding
+        assert progress_event(batches) is reference_progress(batches)
+
+
+def test_the_remembered_fold_is_the_whole_turn_pass_on_every_prefix() -> None:
+    messages = long_turn(seed=11)
+    for end in range(len(messages) + 1):
+        assert fold_trouble(turn_fold(messages[:end])) == reference_trouble(messages[:end])
+    # Steps of several messages at once, and a repeated step (an exact hit), fold the same.
+    for end in [*range(0, len(messages) + 1, 5), len(messages), len(messages)]:
+        assert fold_trouble(turn_fold(messages[:end])) == reference_trouble(messages[:end])
+
+
+def test_extending_a_fold_leaves_the_remembered_one_as_it_was() -> None:
+    messages = long_turn(seed=3)
+    end = next(i for i, m in enumerate(messages) if isinstance(m, ToolMessage))  # mid-batch
+    folded = turn_fold(messages[:end])
+    before = copy.deepcopy(folded)
+    assert turn_fold(messages) != folded
+    assert folded == before
+    assert fold_trouble(turn_fold(messages[:end])) == reference_trouble(messages[:end])
+
+
+def test_a_turn_whose_earlier_message_changed_is_folded_again() -> None:
+    messages = long_turn(seed=5)
+    assert fold_trouble(turn_fold(messages)) == reference_trouble(messages)
+    index, earlier = next(
+        (i, m) for i, m in enumerate(messages[:40]) if isinstance(m, ToolMessage) and m.status == "error"
+    )
+    replaced = [*messages[:index], earlier.model_copy(update={"status": "success"}), *messages[index + 1 :]]
+    for end in (index + 1, index + 10, len(replaced)):
+        assert fold_trouble(turn_fold(replaced[:end])) == reference_trouble(replaced[:end])
+    # Back on the first history, and on a prefix shorter than the one remembered.
+    assert fold_trouble(turn_fold(messages)) == reference_trouble(messages)
+    assert fold_trouble(turn_fold(messages[:index])) == reference_trouble(messages[:index])

@@ -32,8 +32,9 @@ class FoundKey:
     Attributes:
         variable: The variable's name (``OPENAI_API_KEY``, ``FUSION_CLOUD_API_KEY``...).
         where: ``environment`` or ``.env``.
-        exported: Whether ``FusionSettings.api_key()`` returns it (``fusion-graph run``,
-            ``build_graph`` in the operator's own process).
+        exported: Whether it is in the process environment (``FUSION_CLOUD_API_KEY`` counts
+            wherever it is set); ``False``: only ``./.env`` holds it, which ``api_key()``
+            reads from the working directory.
         value: The key; never printed.
     """
 
@@ -46,24 +47,27 @@ class FoundKey:
 # -- the key -----------------------------------------------------------------------------
 
 
-def read_dotenv(path: Path = Path(".env")) -> dict[str, str]:
-    """The variables a ``.env`` file sets (empty ones left out); ``{}`` without one."""
+def read_dotenv(path: Path = Path(".env")) -> dict[str, str | None]:
+    """The variables a ``.env`` file names, empty ones too (``blank_key_check`` looks for those).
+
+    ``{}`` without one; read once for every check.
+    """
     from dotenv import dotenv_values
 
     if not path.is_file():
         return {}
-    return {name: value for name, value in dotenv_values(path).items() if value}
+    return dict(dotenv_values(path))
 
 
-def blank_key_check(settings: FusionSettings, path: Path = Path(".env")) -> Check | None:
-    """A warning when ``.env`` sets the key's variable to nothing: ``langgraph dev`` would blank it."""
-    from dotenv import dotenv_values
+def blank_key_check(settings: FusionSettings, dotenv: Mapping[str, str | None]) -> Check | None:
+    """A warning when ``.env`` (``read_dotenv``) sets the key's variable to nothing.
 
+    ``langgraph dev`` loads ``.env`` over the environment, so it would blank an exported key.
+    """
     variable = key_variable(settings)
-    if variable is None or not path.is_file():
+    if variable is None:
         return None
-    values = dotenv_values(path)
-    if variable not in values or values[variable]:
+    if variable not in dotenv or dotenv[variable]:
         return None
     return Check(
         "cloud key in .env",
@@ -75,13 +79,13 @@ def blank_key_check(settings: FusionSettings, path: Path = Path(".env")) -> Chec
 
 
 def find_cloud_key(
-    settings: FusionSettings, environ: Mapping[str, str], dotenv: Mapping[str, str]
+    settings: FusionSettings, environ: Mapping[str, str], dotenv: Mapping[str, str | None]
 ) -> FoundKey | None:
-    """The cloud key the way ``FusionSettings.api_key()`` finds it, plus one ``.env`` only sees.
+    """The cloud key in the order ``FusionSettings.api_key()`` looks: setting, environment, ``.env``.
 
-    ``FusionSettings`` reads ``.env`` for ``FUSION_*`` names only: a key under the
-    variable named by ``cloud_api_key_env`` (``OPENAI_API_KEY``) counts only once it
-    is in the environment. ``langgraph dev`` loads ``.env`` into the environment.
+    ``api_key()`` reads the key's variable from ``./.env`` in the working directory, so
+    a key only there works for ``fusion-graph run`` and ``build_graph`` run from it;
+    ``langgraph dev`` loads ``.env`` into the environment.
     """
     secret = settings.cloud_api_key
     if secret is not None and secret.get_secret_value():
@@ -93,9 +97,8 @@ def find_cloud_key(
         return None
     if environ.get(variable):
         return FoundKey(variable, "environment", True, environ[variable])
-    if dotenv.get(variable):
-        return FoundKey(variable, ".env", False, dotenv[variable])
-    return None
+    value = dotenv.get(variable)
+    return FoundKey(variable, ".env", False, value) if value else None
 
 
 def cloud_key_check(settings: FusionSettings, found: FoundKey | None) -> Check:

@@ -132,10 +132,11 @@ def doctor(
         source = "FUSION_WORKSPACE_ROOT"
     else:
         source = "default" if settings.workspace_root == "." else "FUSION_WORKSPACE_ROOT in .env"
-    key = find_cloud_key(settings, os.environ, read_dotenv())
+    dotenv = read_dotenv()
+    key = find_cloud_key(settings, os.environ, dotenv)
     budget, prompt = run_context.max_completion_tokens, first_prompt_tokens(run_context, settings)
     local = pool_checks if settings.local_workers else llama_checks
-    blank = blank_key_check(settings)
+    blank = blank_key_check(settings, dotenv)
     checks = [
         cloud_key_check(settings, key),
         *([blank] if blank is not None else []),

@@ -7,11 +7,10 @@ carry a routing header so a thread keeps its box.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from fusion_graph.cli.doctor.llama import llama_checks
+from fusion_graph.cli.doctor.llama import server_checks
 from fusion_graph.cli.doctor.rows import Check
 from fusion_graph.redact import scrub
 
@@ -31,20 +30,13 @@ def pool_checks(
     """A gateway over ``local_workers``: each box as llama-server, their agreement, the gateway itself."""
     import httpx
 
-    from fusion_graph.errors import LlamaServerUnavailable, NotLlamaServer
-    from fusion_graph.providers.llama_server import fetch_props
-
     rows: list[Check] = []
     seen: list[tuple[str, tuple[Any, ...]]] = []
     for index, url in enumerate(settings.local_workers, start=1):
         box = settings.model_copy(update={"local_base_url": _v1(url), "local_workers": ()})
-        rows += [
-            dataclasses.replace(check, name=f"box {index}: {check.name}")
-            for check in llama_checks(box, budget, timeout=timeout, prompt_tokens=prompt_tokens)
-        ]
-        try:
-            props = asyncio.run(fetch_props(url, timeout=timeout))
-        except (LlamaServerUnavailable, NotLlamaServer):
+        checks, props = server_checks(box, budget, timeout=timeout, prompt_tokens=prompt_tokens)
+        rows += [dataclasses.replace(check, name=f"box {index}: {check.name}") for check in checks]
+        if props is None:  # unreachable, or not llama-server: its rows say so
             continue
         seen.append((url, (props.model, props.total_slots, props.slot_window)))
     if len({shape for _, shape in seen}) > 1:

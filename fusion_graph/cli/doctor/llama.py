@@ -15,6 +15,7 @@ from fusion_graph.cli.doctor.rows import Check, error_text, transport
 if TYPE_CHECKING:
     import httpx
 
+    from fusion_graph.providers.llama_server import ServerProps
     from fusion_graph.settings import FusionSettings
 
 
@@ -84,6 +85,13 @@ def llama_checks(
         timeout: Seconds each request may take.
         prompt_tokens: The graph's first prompt (sizes the start line and the window check).
     """
+    return server_checks(settings, budget, timeout=timeout, prompt_tokens=prompt_tokens)[0]
+
+
+def server_checks(
+    settings: FusionSettings, budget: int, *, timeout: float, prompt_tokens: int = 0
+) -> tuple[list[Check], ServerProps | None]:
+    """``llama_checks``, and what ``/props`` said (``None``: not llama-server), for a gateway's boxes."""
     import httpx
 
     from fusion_graph.cli.checks import unreachable_reason
@@ -103,10 +111,10 @@ def llama_checks(
                 "KV cache per slot; context per slot is -c / -np), or point FUSION_LOCAL_BASE_URL at its "
                 "/v1 URL",
             )
-        ]
+        ], None
     except NotLlamaServer as error:
         with httpx.Client(timeout=timeout) as client:
-            return [_not_llama(settings, error, client)]
+            return [_not_llama(settings, error, client)], None
     with httpx.Client(timeout=timeout) as client:
         raw = _raw_props(client, root)
         probe = _tools_probe(client, root)
@@ -118,4 +126,4 @@ def llama_checks(
     head = Check(
         "llama-server", "ok", f"{root}/props answers as llama-server" + (f" ({found})" if found else "")
     )
-    return [head, *props_checks(props, raw, probe, settings, budget, prompt_tokens=prompt_tokens)]
+    return [head, *props_checks(props, raw, probe, settings, budget, prompt_tokens=prompt_tokens)], props

@@ -224,30 +224,6 @@ def test_a_key_written_in_dot_env_is_honoured_without_exporting_it(
     assert "OPENAI_API_KEY" not in os.environ
 
 
-def test_the_default_cloud_model_gets_the_dot_env_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from fusion_graph.providers.models import build_cloud_model
-
-    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    env = tmp_path / ".env"
-    env.write_text("# comment\nexport OPENAI_API_KEY='sk-quoted'\n")
-    settings = cli_run.with_dotenv_key(FusionSettings(), env)
-    model = build_cloud_model(settings)
-    assert model.openai_api_key.get_secret_value() == "sk-quoted"  # type: ignore[attr-defined]
-    # The environment and FUSION_CLOUD_API_KEY win over .env; no file, no change.
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
-    assert cli_run.with_dotenv_key(FusionSettings(), env).cloud_api_key is None
-    own = FusionSettings(cloud_api_key="sk-own")
-    assert cli_run.with_dotenv_key(own, env) is own
-    monkeypatch.delenv("OPENAI_API_KEY")
-    assert cli_run.with_dotenv_key(FusionSettings(), tmp_path / "none").api_key() is None
-    # Another variable name (FUSION_CLOUD_API_KEY_ENV) is read from .env the same way.
-    env.write_text("GATEWAY_KEY=sk-gw\n")
-    gateway = cli_run.with_dotenv_key(FusionSettings(cloud_api_key_env="GATEWAY_KEY"), env).api_key()
-    assert gateway is not None and gateway.get_secret_value() == "sk-gw"
-
-
 @pytest.fixture
 def two_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     async def models(context: FusionContext, settings: FusionSettings) -> tuple[BaseChatModel, BaseChatModel]:

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, HumanMessage
 
+from fusion_graph.providers.ask import Ask, ask
 from fusion_graph.providers.chain import ProviderChain, board_key
 from fusion_graph.providers.health import HealthPolicy
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
-from fusion_graph.providers.placement import InProcessPlacement, SharedPlacement
+from fusion_graph.providers.placement import NOWHERE, InProcessPlacement, Placement, SharedPlacement
 from fusion_graph.providers.pricing import FREE, Pricing
+from fusion_graph.records import StepKind
+from fusion_graph.score import RouteDecision
 from fusion_graph.settings import FusionSettings
 from fusion_graph.shared_state import SharedState
 from fusion_graph.slot_leases import LeaseRow, choose_slot
@@ -150,3 +155,62 @@ async def test_without_a_board_nothing_is_announced(with_board: bool) -> None:
 
     await chain.call(invoke, preferred_leg="cloud")
     assert bool(board.announced) is with_board
+
+
+class TurnPlacer:
+    """Places every local request on a slot whose requests take turns, and notes when a turn is held."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        self.events.append("turn taken")
+        try:
+            yield
+        finally:
+            self.events.append("turn given back")
+
+    async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
+        return Placement(slot=3, turn=self.turn) if link.leg == "local" else NOWHERE
+
+    async def served(self, link: ChainLink, thread_id: str, box: str) -> str | None:
+        return None
+
+
+class Noting(GenericFakeChatModel):
+    """Answers "ok" and notes the call where the placer notes its turns."""
+
+    placer: Any  # the placer itself (a list field would be copied on validation)
+
+    async def _agenerate(self, *args: Any, **kwargs: Any) -> Any:
+        self.placer.events.append("model called")
+        return await super()._agenerate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["sample", "memory"])
+async def test_every_request_to_a_slot_that_takes_turns_is_sent_inside_its_turn(kind: StepKind) -> None:
+    placer = TurnPlacer()
+    model = Noting(messages=iter([AIMessage("ok")]), placer=placer)
+    chain = ProviderChain([ChainLink("local:m", "local", model, Pricing.flat(FREE))])
+    decision = RouteDecision(leg="local", score=None, threshold=None, reason="a side inference")
+    call = Ask(kind=kind, turn=0, step=0, decision=decision, prompt=[HumanMessage("hi")], thread_id="t")
+
+    asked = await ask(call, chain=chain, placer=placer)
+
+    assert asked.answer is not None and asked.answer.content == "ok"
+    assert placer.events == ["turn taken", "model called", "turn given back"]
+
+
+async def test_a_shared_slot_s_turn_is_skipped_not_failed_when_the_database_is_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
+    ran = False
+    try:
+        async with state.slot_turn("pool", "http://a", 3):
+            ran = True
+    finally:
+        await state.aclose()
+    assert ran
+    assert any("without its turn" in r.getMessage() for r in caplog.records)

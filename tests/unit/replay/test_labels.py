@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import ToolException
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from fusion_graph.context import FusionContext
@@ -127,7 +128,7 @@ def test_tools_come_from_the_record_else_from_the_calls_when_asked() -> None:
 
 def test_schema_tools_are_never_run() -> None:
     [tool] = schema_tools([{"type": "function", "function": {"name": "t"}}])
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ToolException, match="recorded trace"):
         tool.invoke({})
 
 

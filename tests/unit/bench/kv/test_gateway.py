@@ -16,12 +16,11 @@ from bench.kv.gateway import (
     evaluate_gateway_targets,
     format_gateway_table,
     format_gateway_targets,
-    gateway_threads,
-    mark_copy,
     summarize_gateway,
 )
 from bench.kv.results import StepRecord
 from bench.kv.reuse import parse_args
+from bench.kv.threads import gateway_threads, mark_copy
 from bench.traces import Trajectory
 from fusion_graph.providers.slots import BoxSlots, routing_key
 

@@ -13,25 +13,27 @@ from bench.kv.results import StepRecord
 from bench.kv.reuse import parse_args
 from bench.kv.workers import (
     CACHE_RAM_MIB,
-    SHARED_OVER_MINIMUM,
-    PlacedStep,
     WorkersVariant,
     build_grid,
     check_arguments,
     database_name,
-    evaluate_checks,
-    format_checks,
-    format_workers_table,
     parse_counts,
     parse_placements,
     runs_of,
-    slot_collisions,
     step_workers,
-    summarize_workers,
-    thread_moves,
     truncate_plan,
     worker_env,
     worker_for,
+)
+from bench.kv.workers_results import (
+    SHARED_OVER_MINIMUM,
+    PlacedStep,
+    evaluate_checks,
+    format_checks,
+    format_workers_table,
+    slot_collisions,
+    summarize_workers,
+    thread_moves,
 )
 from bench.traces import Trajectory
 
