@@ -5,6 +5,7 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
 
     FusionError                      anything below: catch it to catch them all
     ├── InvalidInput                 (ValueError) the run's input cannot start a turn; nothing was sent
+    │   └── IdentityRefused          (PermissionError) an authenticated run named another user
     ├── ContextError                 (ValueError) a run context asks for what the operator did not allow
     ├── ProviderConfigError          (ValueError) a provider cannot be built (no key, bad URL)
     ├── ProviderError                (RuntimeError) a provider call ended without an answer
@@ -16,6 +17,7 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
     │   ├── NotLlamaServer           (ValueError) it answers, but not as llama-server
     │   └── LocalPoolMismatch        (RuntimeError) the boxes behind a gateway disagree
     ├── ThreadBusy                   (RuntimeError) another run of the thread holds it (shared checkpointer)
+    ├── SharedStateUnavailable       (RuntimeError) the shared state's Postgres failed (callers fall back)
     ├── WorkspaceError               (LangChain's ToolException) a path or edit the file tools refuse
     ├── TraceError                   (ValueError) a trace file is missing or malformed
     ├── CalibrationError             (ValueError) the calibration set cannot support the request
@@ -24,7 +26,8 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
 
 ``WorkspaceError`` is defined beside the file tools (``fusion_graph.tools.files``):
 it is a LangChain ``ToolException``, and this module stays free of LangChain so
-the CLI can import it before any command runs.
+the CLI can import it before any command runs. ``SharedStateUnavailable`` lives
+beside the shared state (``fusion_graph.shared_state``), whose callers catch it.
 
 Every message names the fix. Errors that carry a provider's failure are the
 package's own, scrubbed of secrets and never chained to the provider's
@@ -43,6 +46,10 @@ class FusionError(Exception):
 
 class InvalidInput(FusionError, ValueError):
     """A run's input cannot start a turn (no new user message, too much text); nothing was sent."""
+
+
+class IdentityRefused(InvalidInput, PermissionError):
+    """An authenticated run named another user (``configurable.user_id``); nothing was written."""
 
 
 class ContextError(FusionError, ValueError):

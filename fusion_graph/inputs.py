@@ -1,4 +1,4 @@
-"""What a run must bring: a new user message (within the operator's size), and a thread id.
+"""What a run must bring: a new user message (within the operator's size), a thread id, and whose it is.
 
 Checked before anything is written or sent to a model, by the graph's entry
 (``run_queue``) and again by the plan step, so a run refused here leaves the
@@ -13,12 +13,55 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage, convert_to_messages
 from langchain_core.runnables import RunnableConfig
 
-from fusion_graph.errors import InvalidInput
+from fusion_graph.errors import IdentityRefused, InvalidInput
 
 
 def thread_id_of(config: RunnableConfig) -> str:
     """The conversation's id (``configurable.thread_id``); one shared id when absent."""
-    return str(config.get("configurable", {}).get("thread_id") or "default")
+    return str((config.get("configurable") or {}).get("thread_id") or "default")
+
+
+#: The user a run without an authenticated identity or a ``user_id`` belongs to.
+ANONYMOUS = "anonymous"
+
+
+def authenticated_user(config: RunnableConfig) -> str | None:
+    """The identity a LangGraph server's ``Auth`` handler gave the run (``None``: no auth ran).
+
+    The server writes it into ``configurable.langgraph_auth_user_id`` itself (a
+    caller cannot set that key), so it is the one identity a run can be trusted with.
+    """
+    value = (config.get("configurable") or {}).get("langgraph_auth_user_id")
+    return str(value) if value else None
+
+
+def user_of(config: RunnableConfig) -> str:
+    """Whose memories a run reads and writes: the authenticated identity, else ``user_id``, else anonymous.
+
+    The one rule for every per-user namespace (memories, the job log, claims).
+    Without auth, ``configurable.user_id`` is a label any caller can name, not
+    a boundary (docs/deploying.md says so); with auth, a different ``user_id``
+    is refused by ``check_identity`` before anything is written.
+    """
+    return authenticated_user(config) or str((config.get("configurable") or {}).get("user_id") or ANONYMOUS)
+
+
+def check_identity(config: RunnableConfig | None) -> None:
+    """Refuse a run whose ``user_id`` names someone other than its authenticated user.
+
+    Raises:
+        IdentityRefused: An authenticated caller named another user (nothing was written).
+    """
+    if not config:
+        return
+    authenticated = authenticated_user(config)
+    named = (config.get("configurable") or {}).get("user_id")
+    if authenticated is not None and named not in (None, "") and str(named) != authenticated:
+        raise IdentityRefused(
+            "the run's configurable.user_id names another user than the one its credentials "
+            "authenticate: memories belong to the authenticated user, so leave user_id out (or set it "
+            "to your own identity); nothing was written"
+        )
 
 
 def check_new_turn(messages: Sequence[BaseMessage] | None) -> None:

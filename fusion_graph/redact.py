@@ -44,6 +44,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote
 
 REDACTED = "[REDACTED]"
 #: Registered or passed values shorter than this are ignored: they would match ordinary text.
@@ -62,6 +63,8 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     ),
     (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]+"), rf"\g<1>{REDACTED}"),
     (re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), REDACTED),
+    # scheme://user:password@host (a database URL, however short its password): the password.
+    (re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^:/@\s'\"]*:)[^@\s'\"]+@"), rf"\g<1>{REDACTED}@"),
     # "api_key": "v" / 'api_key': 'v' (JSON, dict repr): the quoted value.
     (
         re.compile(rf"""(?i)(["']{_NAMES}["']\s*:\s*)(["'])[^"'\r\n]*\2"""),
@@ -90,6 +93,28 @@ def register_secret(value: str | None) -> bool:
     with _lock:
         _secrets.add(value)
     return True
+
+
+_URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*:([^@/?#]+)@")
+
+
+def register_url_secrets(url: str | None) -> None:
+    """Register a database URL's password, and the whole URL, as secrets (``shared_state_url``...).
+
+    The password is found in any ``scheme://user:password@host`` shape, a
+    misspelt scheme too (psycopg logs a URL it cannot parse whole), and also as
+    a ``password=...`` setting of a key/value connection string.
+    """
+    if not url:
+        return
+    register_secret(url)
+    found = _URL_PASSWORD.match(url)
+    if found:
+        register_secret(found.group(1))
+        register_secret(unquote(found.group(1)))
+    for match in re.finditer(r"(?:^|\s|[?&])password=([^\s&]+)", url):
+        register_secret(match.group(1))
+        register_secret(unquote(match.group(1)))
 
 
 def registered_secrets() -> frozenset[str]:
@@ -135,26 +160,33 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     return _TOKEN.sub(lambda m: REDACTED if _looks_random(m.group()) else m.group(), text)
 
 
-def scrub_known(text: str) -> str:
+def scrub_known(text: str, known: frozenset[str] | None = None) -> str:
     """``text`` with only the registered secret values replaced (for content: tool results, answers).
 
     Unlike ``scrub`` it leaves key-shaped text alone: a tool result or an answer
     may rightly hold hashes, UUIDs or ``key=value`` lines; the operator's keys never.
+    ``known``: the registered secrets when the caller read them already (once per
+    streamed chunk, not once per piece of it).
     """
-    for secret in sorted(registered_secrets(), key=len, reverse=True):
+    for secret in sorted(registered_secrets() if known is None else known, key=len, reverse=True):
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
 
 
-def scrub_content(content: Any) -> Any:
-    """A message's ``content`` (text or blocks) with the registered secret values replaced."""
+def scrub_content(content: Any, known: frozenset[str] | None = None) -> Any:
+    """A message's ``content`` (text or blocks) with the registered secret values replaced.
+
+    ``known``: as for ``scrub_known``; read here once for all the blocks otherwise.
+    """
+    if known is None:
+        known = registered_secrets()
     if isinstance(content, str):
-        return scrub_known(content)
+        return scrub_known(content, known)
     if isinstance(content, list):
-        return [scrub_content(block) for block in content]
+        return [scrub_content(block, known) for block in content]
     if isinstance(content, dict):
-        return {key: scrub_content(value) for key, value in content.items()}
+        return {key: scrub_content(value, known) for key, value in content.items()}
     return content
 
 
@@ -170,13 +202,16 @@ class StreamScrubber:
     def __init__(self) -> None:
         self._held: dict[str, str] = {}
 
-    def feed(self, stream: str, text: str, *, last: bool = False) -> str:
-        """The part of ``stream``'s text so far that is safe to let out, scrubbed."""
+    def feed(self, stream: str, text: str, *, last: bool = False, known: frozenset[str] | None = None) -> str:
+        """The part of ``stream``'s text so far that is safe to let out, scrubbed.
+
+        ``known``: the registered secrets when the caller read them already (``scrub_known``).
+        """
         text = self._held.pop(stream, "") + text
-        secrets = registered_secrets()
+        secrets = registered_secrets() if known is None else known
         if not secrets:
             return text
-        text = scrub_known(text)
+        text = scrub_known(text, secrets)
         hold = 0 if last else max(len(secret) for secret in secrets) - 1
         if hold <= 0 or len(text) <= 0:
             return text
@@ -238,8 +273,9 @@ def install(logger_name: str = "fusion_graph") -> None:
 
 
 #: The loggers whose records are scrubbed: the package's, and those of the HTTP libraries it drives
-#: (at DEBUG they log request and response headers, where a gateway may echo the key).
-SCRUBBED_LOGGERS = ("fusion_graph", "httpx", "httpcore", "openai")
+#: (at DEBUG they log request and response headers, where a gateway may echo the key), and psycopg's
+#: (its pool logs a connection string it cannot parse, password and all).
+SCRUBBED_LOGGERS = ("fusion_graph", "httpx", "httpcore", "openai", "psycopg")
 
 for _name in SCRUBBED_LOGGERS:
     install(_name)

@@ -28,10 +28,10 @@ from langgraph.graph.state import CompiledStateGraph
 
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import InvalidInput, ThreadBusy
-from fusion_graph.inputs import check_input
+from fusion_graph.inputs import check_identity, check_input
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
-from fusion_graph.redact import StreamScrubber, scrub_content, scrub_known
+from fusion_graph.redact import StreamScrubber, registered_secrets, scrub_content, scrub_known
 from fusion_graph.shared_state import SharedStateUnavailable
 from fusion_graph.state import InputState, State
 
@@ -171,6 +171,7 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
     ) -> AsyncIterator[Any]:
         """``CompiledStateGraph.astream`` (and so ``ainvoke``), one run per thread at a time."""
         check_input(input, self.memory_runs.resolver.settings.max_input_chars)
+        check_identity(config)
         if kwargs.get("context") is not None:
             kwargs["context"] = ensure_context(kwargs["context"])  # a clear error before anything runs
         if input is not None:
@@ -188,8 +189,11 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         lock = _GATES.acquire_key(key)
         try:
             async with lock, self._across_processes(str(thread)):
-                async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
-                    yield chunk
+                try:
+                    async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
+                        yield chunk
+                finally:  # the run is over: its slot may go to a thread that needs one now
+                    await self.memory_runs.resolver.placement.release(str(thread))
         finally:
             _GATES.release_key(key)
 
@@ -211,7 +215,7 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
                 try:
                     held = await stack.enter_async_context(shared.thread_run(name))
                 except SharedStateUnavailable as error:
-                    logger.warning("runs of thread %r are not serialised across processes: %s", thread, error)
+                    logger.debug("runs of thread %r are not serialised across processes: %s", thread, error)
                     break
                 if held:
                     break
@@ -261,24 +265,28 @@ async def _scrubbed(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
     carries the model's tokens before that, so each message's text is let out
     through a ``StreamScrubber`` (a split key never leaves in pieces). What a
     message still holds when the stream ends goes out as one more chunk.
+
+    The registered secrets are read once per chunk; with none registered (nor any
+    before: they are only ever added, so nothing is held back) a chunk goes out as it came.
     """
     scrubber = StreamScrubber()
     envelopes: dict[str, tuple[Any, Callable[[Any], Any]]] = {}
     async for chunk in stream:
         part = _messages_part(chunk)
-        if part is None:
+        known = registered_secrets()
+        if part is None or not known:
             yield chunk
             continue
         (message, metadata), rebuild = part
         stream_id = str(message.id or id(message))
         update: dict[str, Any] = {}
         if isinstance(message.content, str):
-            update["content"] = scrubber.feed(stream_id, message.content, last=_is_last(message))
+            update["content"] = scrubber.feed(stream_id, message.content, last=_is_last(message), known=known)
         else:
-            update["content"] = scrub_content(message.content)
+            update["content"] = scrub_content(message.content, known)
         chunks = getattr(message, "tool_call_chunks", None)
         if chunks:
-            update["tool_call_chunks"] = [{**c, "args": scrub_known(c["args"] or "")} for c in chunks]
+            update["tool_call_chunks"] = [{**c, "args": scrub_known(c["args"] or "", known)} for c in chunks]
         envelopes[stream_id] = (metadata, rebuild)
         yield rebuild((message.model_copy(update=update), metadata))
     for stream_id in scrubber.holding():

@@ -116,6 +116,18 @@ class FusionSettings(BaseSettings):
         description="Postgres URL of the shared state (shared_state='postgres'); empty: DATABASE_URI, "
         "the database a LangGraph server runs on.",
     )
+    shared_state_timeout_s: Annotated[float, *between(0.5, 60)] = Field(
+        3.0,
+        description="Seconds one shared-state operation may take (connecting, checking a pooled "
+        "connection, each statement) before the turn places in this process instead; a stalled or "
+        "restarting database never holds a turn up longer.",
+    )
+    shared_state_namespace: str = Field(
+        "",
+        description="Keeps this app's rows (leases, claims, locks, cooldowns) apart from other apps "
+        "that share the shared-state database; workers of one app share one. Empty: derived from "
+        "DATABASE_URI (a LangGraph server's own database), else 'default'.",
+    )
     slot_lease_s: Annotated[float, *between(10, 86_400)] = Field(
         900.0,
         description="Seconds a thread keeps its llama-server slot after its last local request when "

@@ -3,8 +3,11 @@
 Kept apart from the database code so the rule is tested, and read, on its own:
 a thread keeps its live lease; takes back its lapsed one when nobody took the
 slot since (its cache may still be there); else a free slot on the box with the
-fewest live threads; when every slot is held, it is a guest on the least
-recently used slot of the least loaded box, holding nothing.
+fewest live threads; when every slot is held, the least recently used lease of
+a thread whose run has ended (an *idle* lease) is taken over, so a service with
+many more threads than slots gives a slot to the thread that needs it now; only
+when every slot's thread is running is it a guest on the least recently used
+slot of the least loaded box, holding nothing.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ class SlotClaim:
         guest: Every slot is held by a live thread: the request runs on the least
             recently used one without holding it (its holder keeps it).
         expires_in_s: Seconds the lease has left (0 for a guest).
+        took_from: The idle thread whose lease this claim took over (``None``: none).
     """
 
     box: str
     slot: int
     guest: bool = False
     expires_in_s: float = 0.0
+    took_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class LeaseRow:
     holder: str
     live: bool
     used_at: float
+    idle: bool = False
+    """Its thread's run has ended: another thread that needs a slot may take it over."""
 
 
 def choose_slot(
@@ -49,8 +56,9 @@ def choose_slot(
 
     The thread's own live lease first; else its own lapsed one if nobody took
     the slot since (its cache may still be there); else a free slot on the
-    box with the fewest live threads, probing from ``preferred``; else it is
-    a guest on the least recently used slot of the least loaded box.
+    box with the fewest live threads, probing from ``preferred``; else the
+    least recently used idle lease (``took_from`` names its thread); else it
+    is a guest on the least recently used slot of the least loaded box.
     """
     taken = {(row.box, row.slot): row for row in rows if row.live}
     for row in rows:
@@ -68,6 +76,10 @@ def choose_slot(
             slot = (preferred + offset) % slots
             if (box, slot) not in taken:
                 return SlotClaim(box, slot)
+    idle = [row for row in taken.values() if row.idle and row.holder != holder]
+    if idle:
+        oldest_idle = min(idle, key=lambda r: (r.used_at, r.box, r.slot))
+        return SlotClaim(oldest_idle.box, oldest_idle.slot, took_from=oldest_idle.holder)
     fewest = min(boxes, key=lambda b: (load[b], boxes.index(b)))
     oldest = min((row for row in taken.values() if row.box == fewest), key=lambda r: r.used_at)
     return SlotClaim(oldest.box, oldest.slot, guest=True)

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import RunnableConfig
@@ -47,6 +47,22 @@ from fusion_graph.redact import scrub
 from fusion_graph.shared_state import SharedState, SharedStateUnavailable
 
 logger = logging.getLogger(__name__)
+
+
+class JobOwner(NamedTuple):
+    """Who runs one memory job run, and whether the shared claims table has granted it yet.
+
+    ``claimed`` is ``False`` when the database could not be asked: the run then
+    claims the job before it starts (``MemoryRuns.run_logged``), so a job is
+    never run by two workers, and stays pending while nobody can claim it.
+    """
+
+    name: str
+    claimed: bool = True
+
+
+#: Seconds between two attempts to claim a job while the shared state's database does not answer.
+CLAIM_RETRY_S = 1.0
 
 
 def job_owner() -> str:
@@ -195,10 +211,10 @@ class MemoryRuns:
         store: BaseStore,
     ) -> asyncio.Task[Any] | None:
         """Claim a pending run nobody is doing and start it again (detached); ``None`` if given up."""
-        owner: str | None = None
+        owner: JobOwner | None = None
         attempt = entry.get("attempts", 1) + 1
         shared = self.resolver.shared
-        claimed = await self._claim(ticket_of(entry, ns).key, "re-running")
+        claimed = await self._claim(ticket_of(entry, ns).key)
         if claimed is not None:
             owner, won = claimed
             if won is None:
@@ -209,9 +225,9 @@ class MemoryRuns:
             why = f"given up after {MAX_ATTEMPTS} runs that never finished"
             dropped = [self.dropped(job, ticket, why) for job in self.memory_jobs]
             await write_entry(store, ticket, done_entry(entry, dropped))
-            if shared is not None and owner is not None:
+            if shared is not None and owner is not None and owner.claimed:
                 with contextlib.suppress(SharedStateUnavailable):
-                    await shared.finish_job(ticket.key, owner)
+                    await shared.finish_job(ticket.key, owner.name)
             return None
         again = pending_entry(
             ticket, self.memory_jobs, lease_s=self.lease_s, created_at=entry.get("created_at")
@@ -222,28 +238,56 @@ class MemoryRuns:
         run = self.run_logged(ticket, again, covered, context, store, owner=owner)
         return background.detach(run, key=ticket.key)
 
-    async def claim(self, ticket: JobTicket) -> str | None:
-        """Claim a new run in the shared claims table; the owner name, or ``None`` without shared state."""
-        claimed = await self._claim(ticket.key, "running")
+    async def claim(self, ticket: JobTicket) -> JobOwner | None:
+        """Claim a new run in the shared claims table; its owner, or ``None`` without shared state.
+
+        When the database cannot be asked, the owner is not ``claimed`` yet:
+        ``run_logged`` claims it before the run starts.
+        """
+        claimed = await self._claim(ticket.key)
         return None if claimed is None else claimed[0]
 
-    async def _claim(self, key: str, doing: str) -> tuple[str, int | None] | None:
-        """Claim ``key`` for a fresh owner: ``(owner, attempt won)``; ``None`` if it goes unclaimed.
+    async def _claim(self, key: str) -> tuple[JobOwner, int | None] | None:
+        """Claim ``key`` for a fresh owner: ``(owner, attempt won)``; ``None`` without shared state.
 
-        The attempt is ``None`` when another owner holds the claim. Without shared state,
-        or when it cannot be reached, the run goes ahead unclaimed (``doing`` names it in
-        the warning). ``claim`` and ``_rerun`` share this.
+        The attempt is ``None`` when another owner holds the claim. When the
+        database cannot be asked, the owner comes back unclaimed (attempt 0).
+        ``claim`` and ``_rerun`` share this.
         """
         shared = self.resolver.shared
         if shared is None:
             return None
-        owner = job_owner()
+        name = job_owner()
         try:
-            won = await shared.claim_job(key, owner, self.claim_lease_s)
+            won = await shared.claim_job(key, name, self.claim_lease_s)
         except SharedStateUnavailable as error:
-            logger.warning("memory jobs: %s without a shared claim: %s", doing, error)
-            return None
-        return owner, won
+            logger.warning("memory job %s: claiming it when the shared state answers: %s", key, error)
+            return JobOwner(name, claimed=False), 0
+        return JobOwner(name), won
+
+    async def _claim_late(self, key: str, owner: JobOwner) -> JobOwner | None:
+        """The claim ``owner`` could not make at the start, made now; ``None``: another worker has the job.
+
+        Tried every ``CLAIM_RETRY_S`` for as long as a pending run is left to this
+        process (``lease_s``); a database that never answered in that time cannot
+        have given the job to anyone else, so the run then goes ahead unclaimed.
+        """
+        shared = self.resolver.shared
+        if shared is None or owner.claimed:
+            return owner
+        deadline = time.monotonic() + self.lease_s
+        while True:
+            try:
+                won = await shared.claim_job(key, owner.name, self.claim_lease_s)
+            except SharedStateUnavailable:
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "memory job %s: running it unclaimed, the shared state never answered", key
+                    )
+                    return owner
+                await asyncio.sleep(CLAIM_RETRY_S)
+                continue
+            return JobOwner(owner.name) if won is not None else None
 
     async def run_logged(
         self,
@@ -253,26 +297,35 @@ class MemoryRuns:
         context: FusionContext,
         store: BaseStore,
         *,
-        owner: str | None = None,
+        owner: JobOwner | None = None,
     ) -> list[RouteRecord]:
         """A detached run: after the thread's step in flight, run the jobs, then log them as done.
 
         If the process dies first the entry stays pending, and the run is picked up
         again. With a shared claim (``owner``), a heartbeat keeps the claim while the
         run lives; a run whose claim lapsed (its loop froze, its worker stalled) and
-        was taken over writes nothing, so no job is written twice.
+        was taken over writes nothing, so no job is written twice. An owner whose
+        claim could not be made yet claims it first (``_claim_late``); the job
+        stays pending meanwhile, and is left alone if another worker has it.
         """
+        if owner is not None and not owner.claimed:
+            late = await self._claim_late(ticket.key, owner)
+            if late is None:
+                logger.info("memory job %s is another worker's: not run here", ticket.key)
+                return []
+            owner = late
         await background.steps_settled(ticket.thread_id, timeout=self.timeout_s)
-        shared = self.resolver.shared if owner is not None else None
+        shared = self.resolver.shared if owner is not None and owner.claimed else None
+        name = owner.name if owner is not None else ""
         heartbeat = None
-        if shared is not None and owner is not None:
-            heartbeat = asyncio.ensure_future(_keep_claim(shared, ticket.key, owner, self.claim_lease_s))
+        if shared is not None:
+            heartbeat = asyncio.ensure_future(_keep_claim(shared, ticket.key, name, self.claim_lease_s))
 
         async def still_ours() -> bool:
-            if shared is None or owner is None:
+            if shared is None:
                 return True
             try:
-                return await shared.renew_job(ticket.key, owner, self.claim_lease_s)
+                return await shared.renew_job(ticket.key, name, self.claim_lease_s)
             except SharedStateUnavailable:
                 return True  # nobody else can claim it through an unreachable database either
 
@@ -288,9 +341,9 @@ class MemoryRuns:
             except Exception:
                 logger.exception("logging memory job %s as done failed; it will run again", ticket.key)
                 return records
-            if shared is not None and owner is not None:
+            if shared is not None:
                 with contextlib.suppress(SharedStateUnavailable):
-                    await shared.finish_job(ticket.key, owner)
+                    await shared.finish_job(ticket.key, name)
             return records
         finally:
             if heartbeat is not None:

@@ -13,6 +13,7 @@ from langgraph.store.base import BaseStore, SearchItem
 from pydantic import BaseModel
 
 from fusion_graph import prompts
+from fusion_graph.inputs import user_of
 from fusion_graph.memory.jobs import MEMORY_MESSAGE_NAME, JobTicket, MemoryJob
 
 logger = logging.getLogger(__name__)
@@ -39,12 +40,11 @@ def memories_namespace(jobs_ns: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def namespace_of(config: RunnableConfig, graph_name: str) -> tuple[str, ...]:
-    """The namespace for a run: LangGraph's ``assistant_id`` and authenticated user, if any."""
+    """The namespace for a run: LangGraph's ``assistant_id`` and the run's user (``inputs.user_of``)."""
     configurable = config.get("configurable", {})
     metadata = config.get("metadata", {})
     assistant = configurable.get("assistant_id") or metadata.get("assistant_id") or graph_name
-    user = configurable.get("user_id") or configurable.get("langgraph_auth_user_id") or "anonymous"
-    return namespace(str(assistant), str(user))
+    return namespace(str(assistant), user_of(config))
 
 
 async def recall(store: BaseStore, ns: tuple[str, ...], query: str, limit: int) -> list[SearchItem]:

@@ -86,6 +86,10 @@ class Placer(Protocol):
         """Learn that ``box`` answered ``thread_id``; returns the box it moved from (``None``: no move)."""
         ...
 
+    async def release(self, thread_id: str) -> None:
+        """``thread_id``'s run ended: its slot may go to a thread that needs one now (never raises)."""
+        ...
+
 
 class FixedPlacement:
     """Every local request at one placement: for callers that pin a slot themselves (benchmarks)."""
@@ -101,6 +105,9 @@ class FixedPlacement:
     async def served(self, link: ChainLink, thread_id: str, box: str) -> str | None:
         """Nothing to learn: the placement is fixed."""
         return None
+
+    async def release(self, thread_id: str) -> None:
+        """Nothing to release: the placement is fixed."""
 
 
 def slot_body(leg: Leg, slot: int | None) -> dict[str, Any] | None:
@@ -185,6 +192,9 @@ class InProcessPlacement:
         pool = await self.pool(link)
         return pool.served(thread_id, box) if isinstance(pool, BoxSlots) else None
 
+    async def release(self, thread_id: str) -> None:
+        """Nothing to do: a full pool already gives the least recently used thread's slot to a newcomer."""
+
 
 #: Builds (once per box) the model that reaches a box directly, from its base URL without ``/v1``.
 BoxModel = Callable[[str], Awaitable[BaseChatModel]]
@@ -263,7 +273,10 @@ class SharedPlacement:
                 if slots is None:
                     return await self.fallback.place(link, thread_id, reflection=True)
                 known = self._held.get((pool, holder))
-                box = known[0].box if known is not None else await self.state.box_of(pool, holder)
+                if known is not None:
+                    box: str | None = known[0].box
+                else:  # one box needs no look-up: every lease of the pool is on it
+                    box = await self.state.box_of(pool, holder) if len(boxes) > 1 else None
                 claim = SlotClaim(box or boxes[0], slots.reflection_slot)
                 turn = functools.partial(self.state.slot_turn, pool, claim.box, claim.slot)
             else:
@@ -273,10 +286,12 @@ class SharedPlacement:
                 claim = found
         except SharedStateUnavailable as error:
             placed = await self.fallback.place(link, thread_id, reflection=reflection)
-            logger.warning("placing a local request in this process only: %s", error)
+            logger.debug("placing a local request in this process only: %s", error)  # logged once per outage
             return dataclasses.replace(placed, notes={"placement": f"in-process: {error}"})
         model = await self.box_model(claim.box) if self.box_model is not None and len(boxes) > 1 else None
         notes: dict[str, Any] = {"placement": "shared", "box": claim.box}
+        if claim.took_from is not None:
+            notes["took_idle_slot"] = True
         slot: int | None = claim.slot
         if claim.guest:
             # Every slot is held: no slot is named (llama-server takes an idle one, or queues the
@@ -294,3 +309,19 @@ class SharedPlacement:
     async def served(self, link: ChainLink, thread_id: str, box: str) -> str | None:
         """Nothing to learn: the placement chose the box itself."""
         return None
+
+    async def release(self, thread_id: str) -> None:
+        """Mark the thread's leases idle, so a thread that needs a slot now may take one over.
+
+        This process's copy of the claim is dropped too: the thread's next run
+        asks the table again, as another thread may hold the slot by then.
+        """
+        holder = routing_key(thread_id)
+        for pool, held in [key for key in self._held if key[1] == holder]:
+            claim, _ = self._held.pop((pool, held))
+            if claim.guest:
+                continue
+            try:
+                await self.state.release_slot(pool, holder)
+            except SharedStateUnavailable as error:
+                logger.debug("releasing a slot in the shared state failed: %s", error)

@@ -119,7 +119,17 @@ class ProviderResolver:
                 "(a LangGraph server sets DATABASE_URI, which is used when it is empty)"
             )
         if url is not None:
-            self.shared = SharedState(url)
+            scheme = url.split("://", 1)[0] if "://" in url else ""
+            if scheme not in ("postgresql", "postgres"):
+                raise ProviderConfigError(
+                    f"the shared state's URL must start with postgresql:// (its scheme is {scheme[:20]!r}): "
+                    "fix FUSION_SHARED_STATE_URL (or DATABASE_URI when that is empty)"
+                )
+            self.shared = SharedState(
+                url,
+                namespace=self.settings.shared_state_namespace,
+                timeout_s=self.settings.shared_state_timeout_s,
+            )
             boxes = self.settings.local_workers if self.servers.gateway else ()
             self.placement = SharedPlacement(
                 self.shared, self.local_slots, boxes=boxes, box_model=self._box_model if boxes else None

@@ -184,11 +184,11 @@ class PostgresServer:
         if result.returncode != 0:
             self._fail("initdb failed", result)
 
-    def start(self, attempts: int = 3) -> None:
-        """Start on a free port (a new one if another process took it meanwhile), then wait."""
+    def start(self, attempts: int = 3, *, port: int | None = None) -> None:
+        """Start on ``port``, else a free port (a new one if another process took it meanwhile), then wait."""
         result: subprocess.CompletedProcess[str] | None = None
-        for _ in range(attempts):
-            self.port = free_port()
+        for _ in range(attempts if port is None else 1):
+            self.port = port if port is not None else free_port()
             options = [f"-p {self.port}", f"-k {shlex.quote(str(self.root))}"]
             options += [f"-c {key}={value}" for key, value in SERVER_SETTINGS.items()]
             result = self._run(
@@ -313,6 +313,14 @@ class PostgresCluster:
             server.stop()
         finally:
             shutil.rmtree(server.root, ignore_errors=True)
+
+    def halt(self) -> None:
+        """Stop the server and keep its data and port (a database outage); ``resume`` starts it again."""
+        self.server.stop()
+
+    def resume(self) -> None:
+        """Start the halted server again on the same port, and wait for a real connection."""
+        self.server.start(port=self.server.port)
 
     def version(self) -> str:
         """The server's ``server_version``, e.g. ``15.8 (Debian 15.8-0+deb12u1)``."""

@@ -99,7 +99,7 @@ async def test_a_memory_job_is_claimed_once_taken_over_when_its_lease_lapses_and
     assert await b.finish_job("t:0:1", "worker-b")
     assert await a.claim_job("t:0:1", "worker-a", 60.0) is None  # done: never run again
     claims = await a.job_claims(["t:0:1", "missing"])
-    assert claims == {"t:0:1": ("worker-b", 2, True, True)}
+    assert claims == {"t:0:1": ("worker-b", 2, True, False)}  # done: its lease ended with it
 
 
 async def test_a_thread_runs_in_one_process_at_a_time(pair: tuple[SharedState, SharedState]) -> None:

@@ -198,3 +198,16 @@ def test_install_is_idempotent() -> None:
     redact.install()
     assert (package.handlers, package.filters) == before
     assert any(isinstance(f, RedactingFilter) for h in package.handlers for f in h.filters)
+
+
+def test_a_database_urls_password_is_scrubbed_however_the_url_is_spelt() -> None:
+    from fusion_graph.redact import register_url_secrets
+
+    register_url_secrets(
+        "postgress://fusion:pw-short@127.0.0.1:5432/db"
+    )  # a misspelt scheme, a short password
+    logged = 'missing "=" after "postgress://fusion:pw-short@127.0.0.1:5432/db" in connection info string'
+    assert "pw-short" not in scrub(logged)
+    register_url_secrets("postgresql://fusion:a-longer-secret-9@db:5432/app")
+    assert "a-longer-secret-9" not in scrub("password authentication failed: a-longer-secret-9")
+    assert scrub("host=db password=hunter22 dbname=app").count("hunter22") == 0

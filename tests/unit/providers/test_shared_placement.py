@@ -177,6 +177,9 @@ class TurnPlacer:
     async def served(self, link: ChainLink, thread_id: str, box: str) -> str | None:
         return None
 
+    async def release(self, thread_id: str) -> None:
+        return None
+
 
 class Noting(GenericFakeChatModel):
     """Answers "ok" and notes the call where the placer notes its turns."""
@@ -214,3 +217,21 @@ async def test_a_shared_slot_s_turn_is_skipped_not_failed_when_the_database_is_d
         await state.aclose()
     assert ran
     assert any("without its turn" in r.getMessage() for r in caplog.records)
+
+
+def test_when_every_slot_is_held_the_least_recently_used_idle_lease_goes_to_the_thread_that_needs_it() -> (
+    None
+):
+    rows = [
+        LeaseRow("http://a", 0, "running", True, 1.0),
+        LeaseRow("http://a", 1, "idle-new", True, 5.0, idle=True),
+        LeaseRow("http://b", 0, "idle-old", True, 2.0, idle=True),
+        LeaseRow("http://b", 1, "running-2", True, 0.5),
+    ]
+    claim = choose_slot(rows, BOXES, 2, "newcomer", preferred=0)
+    assert (claim.box, claim.slot, claim.guest, claim.took_from) == ("http://b", 0, False, "idle-old")
+    # Its own idle lease is simply kept; with every thread running, a newcomer is a guest.
+    mine = choose_slot(rows, BOXES, 2, "idle-new", preferred=0)
+    assert (mine.box, mine.slot, mine.took_from) == ("http://a", 1, None)
+    busy = [r if not r.idle else LeaseRow(r.box, r.slot, r.holder, True, r.used_at) for r in rows]
+    assert choose_slot(busy, BOXES, 2, "newcomer", preferred=0).guest
