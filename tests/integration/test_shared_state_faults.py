@@ -37,16 +37,9 @@ from fusion_graph.settings import FusionSettings
 from fusion_graph.shared_state import RECONNECT_MAX_S, SharedState, SharedStateUnavailable
 from fusion_graph_testing.fault_proxy import FaultProxy
 from fusion_graph_testing.llama_server import LlamaServer
-from fusion_graph_testing.postgres import (
-    INSTALL_HINT,
-    PostgresCluster,
-    PostgresError,
-    PostgresUnavailableError,
-    check_os_user,
-    find_bin_dir,
-)
+from fusion_graph_testing.postgres import PostgresCluster
 from tests.plugins.fakes import ScriptedModel, user_input
-from tests.plugins.requires import service_missing
+from tests.plugins.postgres import start_cluster
 
 #: The bound every operation here runs under (``shared_state_timeout_s``).
 TIMEOUT_S = 2.0
@@ -63,16 +56,7 @@ Mode = Literal["ainvoke", "messages"]
 @pytest.fixture(scope="module", name="cluster")
 def cluster_fixture() -> Iterator[PostgresCluster]:
     """This module's own server: its tests stop and restart it."""
-    try:
-        bin_dir = find_bin_dir()
-        check_os_user()
-    except PostgresUnavailableError as error:
-        service_missing(str(error), fix=INSTALL_HINT)
-    cluster = PostgresCluster(bin_dir=bin_dir, prefix="fusion-pg-faults-")
-    try:
-        cluster.start()
-    except PostgresError as error:
-        pytest.fail(str(error), pytrace=False)
+    cluster = start_cluster(prefix="fusion-pg-faults-")
     try:
         yield cluster
     finally:

@@ -35,9 +35,8 @@ def unavailable(reason: str) -> NoReturn:
     service_missing(reason, fix=INSTALL_HINT)
 
 
-@pytest.fixture(scope="session", name="postgres_cluster")
-def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
-    """A running throwaway PostgreSQL server for the session."""
+def start_cluster(prefix: str = "fusion-pg-") -> PostgresCluster:
+    """A started throwaway server (skip locally / fail under CI when there is none); the caller stops it."""
     try:
         bin_dir = find_bin_dir()
         check_os_user()
@@ -47,7 +46,7 @@ def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
         missing = ""
     if missing:  # outside the except block: the skip/fail message stands alone
         unavailable(missing)
-    cluster = PostgresCluster(bin_dir=bin_dir)
+    cluster = PostgresCluster(bin_dir=bin_dir, prefix=prefix)
     try:
         cluster.start()
     except PostgresError as error:
@@ -57,6 +56,13 @@ def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
     if failure:
         pytest.fail(failure, pytrace=False)
     print(f"postgres ready in {cluster.start_s:.2f} s on port {cluster.port}, log {cluster.log}")
+    return cluster
+
+
+@pytest.fixture(scope="session", name="postgres_cluster")
+def postgres_cluster_fixture() -> Iterator[PostgresCluster]:
+    """A running throwaway PostgreSQL server for the session."""
+    cluster = start_cluster()
     try:
         yield cluster
     finally:
