@@ -28,6 +28,8 @@ from tests.plugins.pool import POOL_MODEL, LlamaPool, start_llama_pool
 #: Every step on the local leg; short answers keep the tiny model quick; no memory jobs.
 LOCAL: dict[str, Any] = {"mode": "local", "max_completion_tokens": 16, "sub_runners": "off"}
 THREADS = 8
+#: The workers' shared-state namespace, so this test reads their rows.
+NAMESPACE = "workers-test"
 
 
 @asynccontextmanager
@@ -47,6 +49,7 @@ def shared_env(database: str, **settings: str) -> dict[str, str]:
     return {
         "FUSION_SHARED_STATE": "postgres",
         "FUSION_SHARED_STATE_URL": database,
+        "FUSION_SHARED_STATE_NAMESPACE": NAMESPACE,
         "FUSION_CLOUD_API_KEY": "sk-test",
         "FUSION_REQUEST_TIMEOUT": "60",
         **settings,
@@ -129,7 +132,7 @@ async def test_two_boxes_with_as_many_slots_as_threads_fill_evenly_and_every_thr
     per_box = sorted(list(boxes.values()).count(box.rstrip("/")) for box in tight_pool.worker_urls)
     assert per_box == [4, 4], boxes  # even, whatever the gateway's tie-breaking would have done
     # Every request went straight to its box: the gateway served none of them.
-    state = SharedState(postgres_db)
+    state = SharedState(postgres_db, namespace=NAMESPACE)
     try:
         table = await state.slot_table(tight_pool.gateway.openai_base_url)
     finally:
