@@ -658,18 +658,13 @@ class SharedState:
 
     async def renew_job(self, key: str, owner: str, lease_s: float) -> bool:
         """Extend ``owner``'s claim on ``key``; ``False`` when it lost it (taken over, or finished)."""
-        row = self._job_key(key)
-
-        async def renew(connections: Any) -> bool:
-            async with connections.connection() as conn:
-                cursor = await conn.execute(
-                    "UPDATE fusion_job_claims SET lease_until = now() + make_interval(secs => %s) "
-                    "WHERE job_key = %s AND owner = %s AND NOT done RETURNING attempt",
-                    (lease_s, row, owner),
-                )
-                return await cursor.fetchone() is not None
-
-        return await self._run("renewing a memory job claim", renew)
+        return await self._owned_update(
+            "renewing a memory job claim",
+            "lease_until = now() + make_interval(secs => %s)",
+            (lease_s,),
+            key,
+            owner,
+        )
 
     async def finish_job(self, key: str, owner: str) -> bool:
         """Mark ``key`` done by ``owner``; ``False`` when ``owner`` no longer holds it.
@@ -677,18 +672,26 @@ class SharedState:
         The row is kept ``CLAIM_RETENTION_S`` (a reader that saw the job pending
         still finds it done), then the clean-up deletes it.
         """
-        row = self._job_key(key)
+        return await self._owned_update(
+            "finishing a memory job claim", "done = true, lease_until = now()", (), key, owner
+        )
 
-        async def finish(connections: Any) -> bool:
+    async def _owned_update(
+        self, what: str, assignments: str, values: tuple[Any, ...], key: str, owner: str
+    ) -> bool:
+        """Apply ``assignments`` to ``key``'s claim if ``owner`` holds it unfinished; whether it did."""
+        row = self._job_key(key)
+        query = (
+            f"UPDATE fusion_job_claims SET {assignments} "  # one of the two fixed assignments above
+            "WHERE job_key = %s AND owner = %s AND NOT done RETURNING attempt"
+        )
+
+        async def update(connections: Any) -> bool:
             async with connections.connection() as conn:
-                cursor = await conn.execute(
-                    "UPDATE fusion_job_claims SET done = true, lease_until = now() "
-                    "WHERE job_key = %s AND owner = %s AND NOT done RETURNING attempt",
-                    (row, owner),
-                )
+                cursor = await conn.execute(query, (*values, row, owner))
                 return await cursor.fetchone() is not None
 
-        return await self._run("finishing a memory job claim", finish)
+        return await self._run(what, update)
 
     async def job_claims(self, keys: Sequence[str]) -> dict[str, JobClaim]:
         """Claims of ``keys``: owner, attempt, whether it is done and whether its lease is live."""
