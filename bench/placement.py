@@ -25,10 +25,11 @@ from typing import Any
 
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
-from fusion_graph.providers.placement import InProcessPlacement, Placer, SharedPlacement
+from fusion_graph.providers.placement import InProcessPlacement, LeasedPlacement, Placer
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.settings import FusionSettings
 from fusion_graph.shared_state import SharedState
+from fusion_graph.slot_leases import LocalLeases
 
 
 async def _no_props(link: ChainLink) -> Any:
@@ -69,10 +70,13 @@ async def measure(url: str, threads: int, steps: int) -> dict[str, Any]:
     settings = FusionSettings(local_slots=threads + 1, local_base_url="http://127.0.0.1:9/v1")
     link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
     names = [f"thread-{i}" for i in range(threads)]
-    local = InProcessPlacement(settings, _no_props, gateway=False)
+    # As the graph places without shared state: this process's own lease table, by the same rule.
+    local = LeasedPlacement(
+        LocalLeases(), InProcessPlacement(settings, _no_props, gateway=False), boxes=(), box_model=None
+    )
     state = SharedState(url)
     try:
-        shared = SharedPlacement(
+        shared = LeasedPlacement(
             state, InProcessPlacement(settings, _no_props, gateway=False), boxes=(), box_model=None
         )
         await state.box_of("warm-up", "nobody")  # connect and make the tables before timing

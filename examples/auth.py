@@ -8,7 +8,8 @@ deployment verifies its tokens with its identity provider instead). Then:
   run's ``langgraph_auth_user_id``, which alone decides whose memories a run
   recalls and writes (``fusion_graph.inputs.user_of``); a run whose
   ``configurable.user_id`` names someone else is refused by the graph;
-- threads, runs and crons carry an ``owner`` and each user sees only their own;
+- threads (with their runs) and crons carry an ``owner`` and each user sees
+  only their own; assistants, which the operator makes, stay readable by all;
 - the store API reaches only the caller's own memories and job log: a namespace
   ``(fusion_memories | fusion_jobs, <assistant>, <user>)`` whose user is not the
   caller's is refused, and any other namespace is put under the caller's id.
@@ -47,13 +48,24 @@ async def authenticate(authorization: str | None) -> Auth.types.MinimalUserDict:
     return {"identity": user, "permissions": []}
 
 
-@auth.on
-async def owner_only(ctx: Auth.types.AuthContext, value: Any) -> Auth.types.FilterType:
-    """Threads, runs, crons and assistants: stamp the owner on what is made, and show only one's own."""
-    metadata = value.setdefault("metadata", {}) if isinstance(value, dict) else {}
+@auth.on.threads
+async def own_threads(ctx: Auth.types.AuthContext, value: Any) -> Auth.types.FilterType:
+    """Threads (and so their runs): stamp the owner on what is made, and show only one's own."""
+    _stamp_owner(ctx, value)
+    return {"owner": ctx.user.identity}
+
+
+@auth.on.crons
+async def own_crons(ctx: Auth.types.AuthContext, value: Any) -> Auth.types.FilterType:
+    """Crons, likewise: each user's own."""
+    _stamp_owner(ctx, value)
+    return {"owner": ctx.user.identity}
+
+
+def _stamp_owner(ctx: Auth.types.AuthContext, value: Any) -> None:
+    metadata = value.setdefault("metadata", {}) if isinstance(value, dict) else None
     if isinstance(metadata, dict):
         metadata["owner"] = ctx.user.identity
-    return {"owner": ctx.user.identity}
 
 
 def scoped_namespace(namespace: tuple[str, ...], user: str) -> tuple[str, ...]:

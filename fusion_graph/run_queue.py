@@ -182,20 +182,31 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         if input is None:
             await self._check_resumable(config, thread)
         if thread is None or self.checkpointer is None:
-            async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
+            async for chunk in self._released(input, config, thread, **kwargs):
                 yield chunk
             return
         key = (id(asyncio.get_running_loop()), id(self.checkpointer), str(thread))
         lock = _GATES.acquire_key(key)
         try:
             async with lock, self._across_processes(str(thread)):
-                try:
-                    async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
-                        yield chunk
-                finally:  # the run is over: its slot may go to a thread that needs one now
-                    await self.memory_runs.resolver.placement.release(str(thread))
+                async for chunk in self._released(input, config, thread, **kwargs):
+                    yield chunk
         finally:
             _GATES.release_key(key)
+
+    async def _released(
+        self, input: Any, config: RunnableConfig | None, thread: Any, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """The run's chunks, scrubbed; at its end (inside the thread's queue) its slot is marked idle.
+
+        Inside the queue, so the thread's next run never has its new lease marked idle.
+        """
+        try:
+            async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
+                yield chunk
+        finally:
+            if thread is not None:  # the run is over: its slot may go to a thread that needs one now
+                await self.memory_runs.resolver.placement.release(str(thread))
 
     @contextlib.asynccontextmanager
     async def _across_processes(self, thread: str) -> AsyncIterator[None]:

@@ -133,6 +133,12 @@ class FusionSettings(BaseSettings):
         description="Seconds a thread keeps its llama-server slot after its last local request when "
         "the state is shared (a new thread then may take it).",
     )
+    slot_home_wait_s: Annotated[float, *between(0, 600)] = Field(
+        2.0,
+        description="Seconds a returning thread waits for a slot on the llama-server box whose host "
+        "prompt cache holds its prefix (shared state, several boxes) before it moves to another box "
+        "and prefills its prompt there once; 0 moves at once.",
+    )
     memory_claim_lease_s: Annotated[float, *between(1, 3600)] = Field(
         15.0,
         description="Seconds a worker's claim on a memory job lasts without a heartbeat (a third of it "

@@ -60,7 +60,7 @@ RECONNECT_MAX_S = 5.0
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3, "keepalives_count": 3}
 #: Finished job claims (and claims nobody renewed) are deleted this long after their lease ended.
 CLAIM_RETENTION_S = 3600.0
-#: Slot leases idle this long are deleted (a box or pool that is gone).
+#: Slot leases idle this long are deleted (a box or pool that is gone), and so are threads' home boxes.
 LEASE_RETENTION_S = 86_400.0
 #: Seconds between two clean-ups of the tables by one process.
 CLEANUP_EVERY_S = 60.0
@@ -86,6 +86,13 @@ CREATE TABLE IF NOT EXISTS fusion_slot_leases (
 );
 ALTER TABLE fusion_slot_leases ADD COLUMN IF NOT EXISTS idle boolean NOT NULL DEFAULT false;
 CREATE INDEX IF NOT EXISTS fusion_slot_leases_holder ON fusion_slot_leases (pool, holder);
+CREATE TABLE IF NOT EXISTS fusion_slot_homes (
+    pool text NOT NULL,
+    holder text NOT NULL,
+    box text NOT NULL,
+    seen_at timestamptz NOT NULL,
+    PRIMARY KEY (pool, holder)
+);
 CREATE TABLE IF NOT EXISTS fusion_provider_health (
     provider text PRIMARY KEY,
     cooldown_until double precision,
@@ -232,6 +239,7 @@ class SharedState:
         self._synced_at = 0.0
         self._listener: asyncio.Task[None] | None = None
         self._closed = False
+        self._background: set[asyncio.Task[Any]] = set()
         #: Operations that failed since this object was made (``SharedStateUnavailable`` raised).
         self.failures = 0
 
@@ -303,7 +311,13 @@ class SharedState:
         self._down_reason = reason
         pool, self._pool = self._pool, None
         if pool is not None:  # closed in the background: a frozen connection must not hold anyone up
-            asyncio.get_running_loop().create_task(self._discard(pool))
+            self._spawn(self._discard(pool))
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background on this object's loop, kept until it ends (``aclose`` waits)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _discard(self, pool: Any) -> None:
         with contextlib.suppress(Exception):
@@ -375,7 +389,7 @@ class SharedState:
         if time.monotonic() - self._cleaned_at < CLEANUP_EVERY_S:
             return
         self._cleaned_at = time.monotonic()
-        asyncio.get_running_loop().create_task(self._cleanup())
+        self._spawn(self._cleanup())
 
     async def _cleanup(self) -> None:
         try:
@@ -394,6 +408,10 @@ class SharedState:
                 "AND expires_at < now()",
                 (LEASE_RETENTION_S,),
             )
+            await conn.execute(
+                "DELETE FROM fusion_slot_homes WHERE seen_at < now() - make_interval(secs => %s)",
+                (LEASE_RETENTION_S,),
+            )
         return claims.rowcount, leases.rowcount
 
     async def cleanup(self) -> tuple[int, int]:
@@ -406,7 +424,15 @@ class SharedState:
         return f"{self.namespace}|{pool}"
 
     async def claim_slot(
-        self, pool: str, boxes: Sequence[str], slots: int, holder: str, lease_s: float, preferred: int
+        self,
+        pool: str,
+        boxes: Sequence[str],
+        slots: int,
+        holder: str,
+        lease_s: float,
+        preferred: int,
+        *,
+        stay_home: bool = False,
     ) -> SlotClaim:
         """Claim (or renew) ``holder``'s slot in ``pool`` atomically; see ``choose_slot``."""
         key, wanted = self._pool_key(pool), tuple(boxes)
@@ -424,9 +450,25 @@ class SharedState:
                     for b, s, h, live, used, idle in await cursor.fetchall()
                 ]
                 rows = [row for row in rows if row.box in wanted and row.slot < slots]
-                claim = choose_slot(rows, wanted, slots, holder, preferred % slots)
+                home = None
+                if len(wanted) > 1:  # the box whose host prompt cache has the thread's prefix
+                    cursor = await conn.execute(
+                        "SELECT box FROM fusion_slot_homes WHERE pool = %s AND holder = %s", (key, holder)
+                    )
+                    found = await cursor.fetchone()
+                    home = str(found[0]) if found else None
+                claim = choose_slot(
+                    rows, wanted, slots, holder, preferred % slots, home=home, stay_home=stay_home
+                )
                 if claim.guest:
                     return claim
+                if len(wanted) > 1:
+                    await conn.execute(
+                        "INSERT INTO fusion_slot_homes (pool, holder, box, seen_at) "
+                        "VALUES (%s, %s, %s, now()) "
+                        "ON CONFLICT (pool, holder) DO UPDATE SET box = EXCLUDED.box, seen_at = now()",
+                        (key, holder, claim.box),
+                    )
                 await conn.execute(
                     "INSERT INTO fusion_slot_leases (pool, box, slot, holder, expires_at, used_at, idle) "
                     "VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s), now(), false) "
@@ -494,7 +536,12 @@ class SharedState:
         async def sizes(connections: Any) -> dict[str, int]:
             found = {}
             async with connections.connection() as conn:
-                for table in ("fusion_slot_leases", "fusion_provider_health", "fusion_job_claims"):
+                for table in (
+                    "fusion_slot_leases",
+                    "fusion_slot_homes",
+                    "fusion_provider_health",
+                    "fusion_job_claims",
+                ):
                     cursor = await conn.execute(f"SELECT count(*) FROM {table}")  # fixed table names
                     row = await cursor.fetchone()
                     found[table] = int(row[0]) if row else 0
@@ -801,6 +848,12 @@ class SharedState:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     async def _close(self) -> None:
+        loop = asyncio.get_running_loop()
+        left = [*self._background, *(t for t in _ABANDONED if t.get_loop() is loop)]
+        for task in left:  # clean-ups and operations given up on: ended, not left to die with the loop
+            task.cancel()
+        if left:
+            await asyncio.wait(left, timeout=self.timeout_s)
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(BaseException):

@@ -1,4 +1,7 @@
-"""Which (box, slot) a thread gets from a pool's leases: the pure rule ``SharedState.claim_slot`` runs.
+"""Which (box, slot) a thread gets from a pool's leases: the pure rule, and this process's own table.
+
+``choose_slot`` is the rule; ``SharedState.claim_slot`` runs it on the
+deployment's Postgres, ``LocalLeases`` on a table in this process.
 
 Kept apart from the database code so the rule is tested, and read, on its own:
 a thread keeps its live lease; takes back its lapsed one when nobody took the
@@ -12,6 +15,9 @@ slot of the least loaded box, holding nothing.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +33,8 @@ class SlotClaim:
             recently used one without holding it (its holder keeps it).
         expires_in_s: Seconds the lease has left (0 for a guest).
         took_from: The idle thread whose lease this claim took over (``None``: none).
+        home_full: Nothing was claimed: the thread's home box has no free or idle slot
+            now, and the caller asked to wait for one there (``stay_home``).
     """
 
     box: str
@@ -34,6 +42,7 @@ class SlotClaim:
     guest: bool = False
     expires_in_s: float = 0.0
     took_from: str | None = None
+    home_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,15 +59,29 @@ class LeaseRow:
 
 
 def choose_slot(
-    rows: Sequence[LeaseRow], boxes: Sequence[str], slots: int, holder: str, preferred: int
+    rows: Sequence[LeaseRow],
+    boxes: Sequence[str],
+    slots: int,
+    holder: str,
+    preferred: int,
+    *,
+    home: str | None = None,
+    stay_home: bool = False,
 ) -> SlotClaim:
     """Pure: the (box, slot) a thread gets, given the pool's rows (``claim_slot`` runs it under a lock).
 
     The thread's own live lease first; else its own lapsed one if nobody took
-    the slot since (its cache may still be there); else a free slot on the
-    box with the fewest live threads, probing from ``preferred``; else the
-    least recently used idle lease (``took_from`` names its thread); else it
-    is a guest on the least recently used slot of the least loaded box.
+    the slot since (its cache may still be there). A thread with a ``home`` box
+    (where it ran last: its prefix is in that box's host prompt cache) stays
+    there while it can: a free slot, else the least recently used idle lease
+    there (``took_from`` names its thread); with ``stay_home``, nothing else
+    (``home_full``: the caller waits a moment and asks again). Otherwise a free slot on the box
+    with the fewest live threads, probing from ``preferred``; else the least
+    recently used idle lease anywhere; else (every slot's thread is running) it
+    is a guest on the least recently used slot of the least loaded box. A move
+    costs one cold prefill; a guest shares slots whose threads are running,
+    and a request naming a busy slot can corrupt llama-server's running
+    generation when its prompt cache is on, so a move comes first.
     """
     taken = {(row.box, row.slot): row for row in rows if row.live}
     for row in rows:
@@ -71,15 +94,117 @@ def choose_slot(
     for box, _ in taken:
         if box in load:
             load[box] += 1
-    for box in sorted(boxes, key=lambda b: (load[b], boxes.index(b))):
+
+    def free_on(box: str) -> SlotClaim | None:
         for offset in range(slots):
             slot = (preferred + offset) % slots
             if (box, slot) not in taken:
                 return SlotClaim(box, slot)
-    idle = [row for row in taken.values() if row.idle and row.holder != holder]
-    if idle:
-        oldest_idle = min(idle, key=lambda r: (r.used_at, r.box, r.slot))
-        return SlotClaim(oldest_idle.box, oldest_idle.slot, took_from=oldest_idle.holder)
-    fewest = min(boxes, key=lambda b: (load[b], boxes.index(b)))
-    oldest = min((row for row in taken.values() if row.box == fewest), key=lambda r: r.used_at)
-    return SlotClaim(oldest.box, oldest.slot, guest=True)
+        return None
+
+    def oldest_idle(box: str | None) -> SlotClaim | None:
+        idle = [r for r in taken.values() if r.idle and r.holder != holder and box in (None, r.box)]
+        if not idle:
+            return None
+        row = min(idle, key=lambda r: (r.used_at, r.box, r.slot))
+        return SlotClaim(row.box, row.slot, took_from=row.holder)
+
+    def guest_on(box: str) -> SlotClaim:
+        oldest = min((row for row in taken.values() if row.box == box), key=lambda r: r.used_at)
+        return SlotClaim(oldest.box, oldest.slot, guest=True)
+
+    if home is not None and home in boxes:  # it stays where its prefix is cached, while it can
+        found = free_on(home) or oldest_idle(home)
+        if found is not None:
+            return found
+        if stay_home:
+            return SlotClaim(home, -1, guest=True, home_full=True)
+    for box in sorted(boxes, key=lambda b: (load[b], boxes.index(b))):
+        found = free_on(box)
+        if found is not None:
+            return found
+    return oldest_idle(None) or guest_on(min(boxes, key=lambda b: (load[b], boxes.index(b))))
+
+
+@dataclass
+class _Lease:
+    holder: str
+    expires: float
+    used: float
+    idle: bool = False
+
+
+#: Threads whose home box this process remembers, at most (the least recently placed are forgotten).
+MAX_HOMES = 65_536
+
+
+class LocalLeases:
+    """This process's own lease table, run by the same rule (``choose_slot``) as the shared one.
+
+    The placement of an embedded graph or a single server process, and of a
+    deployment's worker while its shared state cannot be reached: the same
+    three calls as ``SharedState`` (``claim_slot``, ``release_slot``,
+    ``box_of``), so one rule decides every placement. Thread-safe (the sync
+    entry points run on a loop thread of their own).
+    """
+
+    def __init__(self) -> None:
+        """An empty table."""
+        self._pools: dict[str, dict[tuple[str, int], _Lease]] = {}
+        self._homes: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    async def claim_slot(
+        self,
+        pool: str,
+        boxes: Sequence[str],
+        slots: int,
+        holder: str,
+        lease_s: float,
+        preferred: int,
+        *,
+        stay_home: bool = False,
+    ) -> SlotClaim:
+        """Claim (or renew) ``holder``'s slot in ``pool``; see ``choose_slot``."""
+        wanted = tuple(boxes)
+        with self._lock:
+            now = time.monotonic()
+            table = self._pools.setdefault(pool, {})
+            rows = [
+                LeaseRow(box, slot, lease.holder, lease.expires > now, lease.used, lease.idle)
+                for (box, slot), lease in table.items()
+                if box in wanted and slot < slots
+            ]
+            home = self._homes.get((pool, holder)) if len(wanted) > 1 else None
+            claim = choose_slot(
+                rows, wanted, slots, holder, preferred % slots, home=home, stay_home=stay_home
+            )
+            if claim.guest:
+                return claim
+            for key in [
+                k for k, lease in table.items() if lease.holder == holder and k != (claim.box, claim.slot)
+            ]:
+                del table[key]
+            table[(claim.box, claim.slot)] = _Lease(holder, now + lease_s, now)
+            if len(wanted) > 1:
+                self._homes[(pool, holder)] = claim.box
+                self._homes.move_to_end((pool, holder))
+                if len(self._homes) > MAX_HOMES:
+                    self._homes.popitem(last=False)
+        return SlotClaim(claim.box, claim.slot, expires_in_s=lease_s, took_from=claim.took_from)
+
+    async def release_slot(self, pool: str, holder: str) -> None:
+        """Mark ``holder``'s lease idle (its run ended): a thread that needs a slot now may take it."""
+        with self._lock:
+            for lease in self._pools.get(pool, {}).values():
+                if lease.holder == holder:
+                    lease.idle = True
+
+    async def box_of(self, pool: str, holder: str) -> str | None:
+        """The box ``holder`` holds a live slot on (``None``: none)."""
+        now = time.monotonic()
+        with self._lock:
+            for (box, _), lease in self._pools.get(pool, {}).items():
+                if lease.holder == holder and lease.expires > now:
+                    return box
+        return None

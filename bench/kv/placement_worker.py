@@ -10,6 +10,8 @@ Postgres) and answers one JSON line per connection: ``{"op": "step", "thread",
 the local link's base URL (a gateway, or the single box); a gateway's answer
 tells the placer which box served (``placement.served``). The reply has
 llama-server's ``timings``, the slot, the box and the placement's notes.
+``{"op": "release", "thread"}`` says the thread's run ended
+(``placement.release``, as the graph's run queue does).
 ``PlacementWorker`` starts one (``ManagedProcess``: stopped by its own PID) and
 sends it steps.
 """
@@ -99,6 +101,8 @@ async def serve(port: int) -> None:
                 reply: dict[str, Any] = {"ok": True, "pid": os.getpid()}
                 if request.get("op") == "step":
                     reply.update(await step(request))
+                elif request.get("op") == "release":  # the thread's run ended (as the graph's run queue says)
+                    await resolver.placement.release(str(request["thread"]))
             except Exception as error:  # noqa: BLE001 - the coordinator gets the error as its reply
                 reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
             writer.write(json.dumps(reply, default=str).encode() + b"\n")
@@ -159,9 +163,17 @@ class PlacementWorker(ManagedProcess):
 
     async def step(self, thread: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Place and send one local step of ``thread``; the reply has timings, slot and box."""
+        return await self._ask({"op": "step", "thread": thread, "messages": list(messages)})
+
+    async def release(self, thread: str) -> None:
+        """``thread``'s run ended: the worker's placer may give its slot to a thread that needs one."""
+        await self._ask({"op": "release", "thread": thread})
+
+    async def _ask(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """One JSON line to the worker, one back; an error reply raises ``RuntimeError``."""
+        thread = payload.get("thread")
         reader, writer = await asyncio.open_connection(HOST, self.port, limit=LINE_LIMIT)
         try:
-            payload = {"op": "step", "thread": thread, "messages": list(messages)}
             writer.write(json.dumps(payload).encode() + b"\n")
             await writer.drain()
             try:

@@ -256,9 +256,9 @@ def truncate_plan(plan: ThreadPlan, local_steps: int) -> ThreadPlan:
 
 
 def worker_env(
-    variant: WorkersVariant, *, local_base_url: str, boxes: Sequence[str], database: str | None
+    placement: PlacementKind, *, local_base_url: str, boxes: Sequence[str], database: str | None
 ) -> dict[str, str]:
-    """The ``FUSION_*`` settings of every worker of ``variant`` (the deployment's operator settings)."""
+    """The ``FUSION_*`` settings of every worker of a variant (the deployment's operator settings)."""
     env = {
         "FUSION_LOCAL_BASE_URL": local_base_url,
         "FUSION_LOCAL_MODEL": MODEL_ALIAS,
@@ -267,7 +267,7 @@ def worker_env(
     }
     if len(boxes) > 1:
         env["FUSION_LOCAL_WORKERS"] = json.dumps([box_name(box) for box in boxes])
-    if variant.placement == "shared":
+    if placement == "shared":
         if database is None:
             raise ValueError("shared placement needs a database")
         env["FUSION_SHARED_STATE"] = "postgres"
@@ -378,7 +378,7 @@ def run_one(
                 raise RuntimeError("shared placement needs the Postgres cluster")
             database = cluster.create_database(database_name(variant))
             stack.callback(cluster.drop_database, database_name(variant))
-        env = worker_env(variant, local_base_url=local_base_url, boxes=urls, database=database)
+        env = worker_env(variant.placement, local_base_url=local_base_url, boxes=urls, database=database)
         workers = [
             PlacementWorker(env, log_path=setup.logs / f"{name}-worker{i}.log")
             for i in range(variant.workers)

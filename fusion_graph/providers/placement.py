@@ -17,11 +17,12 @@ to that box, so boxes fill evenly whatever a gateway's tie-breaking does.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,7 +35,7 @@ from fusion_graph.providers.slots import BoxSlots, SlotPool, box_name, routing_k
 from fusion_graph.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.shared_state import SharedState, SharedStateUnavailable
-from fusion_graph.slot_leases import SlotClaim
+from fusion_graph.slot_leases import LocalLeases, SlotClaim
 
 logger = logging.getLogger(__name__)
 
@@ -200,33 +201,69 @@ class InProcessPlacement:
 BoxModel = Callable[[str], Awaitable[BaseChatModel]]
 #: Seconds a guest (every slot was held) waits before it asks for a slot of its own again.
 GUEST_RETRY_S = 5.0
+#: Seconds between two asks while a returning thread waits for a slot on its home box.
+HOME_POLL_S = 0.05
 
 
-class SharedPlacement:
-    """Slot leases every worker process agrees on, with this process's own table as the fallback.
+class LeaseTable(Protocol):
+    """Where leases are kept and the rule (``slot_leases.choose_slot``) is run: Postgres or this process."""
+
+    async def claim_slot(
+        self,
+        pool: str,
+        boxes: Sequence[str],
+        slots: int,
+        holder: str,
+        lease_s: float,
+        preferred: int,
+        *,
+        stay_home: bool = False,
+    ) -> SlotClaim:
+        """Claim (or renew) ``holder``'s slot in ``pool``."""
+        ...
+
+    async def release_slot(self, pool: str, holder: str) -> None:
+        """Mark ``holder``'s lease idle."""
+        ...
+
+    async def box_of(self, pool: str, holder: str) -> str | None:
+        """The box ``holder`` holds a live slot on."""
+        ...
+
+
+class LeasedPlacement:
+    """Slot leases, one rule for every table: this process's (``LocalLeases``) or the deployment's.
 
     A thread's lease is claimed once and then used from this process's copy until
     half of it has run; the next use renews it (a lease is renewed by use, not by
-    a round trip on every step). When several boxes serve the local leg
-    (``local_workers``), the placement names the box and the request goes to it
-    directly (``box_model``): a gateway cannot be told which box to use. When the
-    database cannot be reached, requests are placed by ``fallback`` and the
-    record says so (``extra.placement``); a turn never fails over it.
+    a round trip on every step). Its run's end marks it idle (``release``), so a
+    thread that needs a slot now may take it over. When several boxes serve the
+    local leg (``local_workers``), the placement names the box and the request
+    goes to it directly (``box_model``): a gateway cannot be told which box to
+    use. With the deployment's table (``SharedState``), a database that cannot
+    be reached places the request by the same rule on this process's own table
+    and the record says so (``extra.placement``); a turn never fails over it.
     """
 
     def __init__(
         self,
-        state: SharedState,
-        fallback: InProcessPlacement,
+        table: LeaseTable,
+        slots: InProcessPlacement,
         *,
         boxes: tuple[str, ...],
         box_model: BoxModel | None,
     ) -> None:
-        """Lease slots in ``state`` over ``boxes`` (base URLs); ``box_model`` reaches one directly."""
-        self.state, self.fallback = state, fallback
+        """Lease slots in ``table`` over ``boxes`` (base URLs); ``box_model`` reaches one directly.
+
+        ``slots`` says how many slots a local server has (``local_slots`` or its
+        ``/props``) and which headers a request carries.
+        """
+        self.table, self.slots = table, slots
+        self.local = table if isinstance(table, LocalLeases) else LocalLeases()
+        self.shared = table if isinstance(table, SharedState) else None
         self.boxes = tuple(box_name(box) for box in boxes)
         self.box_model = box_model
-        self._held: dict[tuple[str, str], tuple[SlotClaim, float]] = {}
+        self._held: dict[tuple[int, str, str], tuple[SlotClaim, float]] = {}
 
     def _pool(self, link: ChainLink) -> tuple[str, tuple[str, ...]]:
         """The pool's name (the local endpoint) and its boxes."""
@@ -235,71 +272,90 @@ class SharedPlacement:
         return url, boxes
 
     async def _claim(
-        self, link: ChainLink, pool: str, boxes: tuple[str, ...], holder: str
+        self, table: LeaseTable, link: ChainLink, pool: str, boxes: tuple[str, ...], holder: str
     ) -> SlotClaim | None:
-        """The thread's claim: from this process's copy while it is fresh, else from the database."""
-        known = self._held.get((pool, holder))
+        """The thread's claim: from this process's copy while it is fresh, else from ``table``."""
+        key = (id(table), pool, holder)
+        known = self._held.get(key)
         if known is not None and time.monotonic() < known[1]:
             return known[0]
-        slots = await self.fallback.pool(link)  # the slot count: local_slots, or the box's /props
+        slots = await self.slots.pool(link)  # the slot count: local_slots, or the box's /props
         if slots is None:
             return None
-        settings = self.fallback.settings
-        claim = await self.state.claim_slot(
-            pool,
-            boxes,
-            slots.conversation_slots,
-            holder,
-            settings.slot_lease_s,
-            SlotPool(slots.total_slots).preferred_slot(holder) if slots.total_slots > 1 else 0,
-        )
+        settings = self.slots.settings
+        preferred = SlotPool(slots.total_slots).preferred_slot(holder) if slots.total_slots > 1 else 0
+        # Over several boxes, a returning thread waits a moment for a slot on the box that caches its
+        # prefix (slot_home_wait_s) before it moves to another box and prefills there once.
+        deadline = time.monotonic() + settings.slot_home_wait_s
+        while True:
+            stay = len(boxes) > 1 and time.monotonic() < deadline
+            claim = await table.claim_slot(
+                pool,
+                boxes,
+                slots.conversation_slots,
+                holder,
+                settings.slot_lease_s,
+                preferred,
+                stay_home=stay,
+            )
+            if not claim.home_full:
+                break
+            await asyncio.sleep(HOME_POLL_S)
         fresh_for = GUEST_RETRY_S if claim.guest else settings.slot_lease_s / 2
-        self._held[(pool, holder)] = (claim, time.monotonic() + fresh_for)
+        # The copy kept for the thread's next requests: the takeover is this request's news alone.
+        self._held[key] = (dataclasses.replace(claim, took_from=None), time.monotonic() + fresh_for)
         if len(self._held) > 65_536:  # forget the oldest entries of a long-lived process
-            for key in list(self._held)[:1024]:
-                del self._held[key]
+            for old in list(self._held)[:1024]:
+                del self._held[old]
         return claim
 
     async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
         """The thread's leased slot (or its box's reflection slot), straight to its box."""
         if link.leg != "local":
             return NOWHERE
+        try:
+            return await self._place(self.table, link, thread_id, reflection)
+        except SharedStateUnavailable as error:
+            placed = await self._place(self.local, link, thread_id, reflection)
+            logger.debug("placing a local request in this process only: %s", error)  # logged once per outage
+            return dataclasses.replace(placed, notes={**placed.notes, "placement": f"in-process: {error}"})
+
+    async def _place(self, table: LeaseTable, link: ChainLink, thread_id: str, reflection: bool) -> Placement:
         pool, boxes = self._pool(link)
         holder = routing_key(thread_id)
         turn: Callable[[], AbstractAsyncContextManager[None]] | None = None
-        try:
-            if reflection:
-                slots = await self.fallback.pool(link)
-                if slots is None:
-                    return await self.fallback.place(link, thread_id, reflection=True)
-                known = self._held.get((pool, holder))
-                if known is not None:
-                    box: str | None = known[0].box
-                else:  # one box needs no look-up: every lease of the pool is on it
-                    box = await self.state.box_of(pool, holder) if len(boxes) > 1 else None
-                claim = SlotClaim(box or boxes[0], slots.reflection_slot)
-                turn = functools.partial(self.state.slot_turn, pool, claim.box, claim.slot)
-            else:
-                found = await self._claim(link, pool, boxes, holder)
-                if found is None:
-                    return await self.fallback.place(link, thread_id)
-                claim = found
-        except SharedStateUnavailable as error:
-            placed = await self.fallback.place(link, thread_id, reflection=reflection)
-            logger.debug("placing a local request in this process only: %s", error)  # logged once per outage
-            return dataclasses.replace(placed, notes={"placement": f"in-process: {error}"})
+        if reflection:
+            slots = await self.slots.pool(link)
+            if slots is None:
+                return await self.slots.place(link, thread_id, reflection=True)
+            known = self._held.get((id(table), pool, holder))
+            if known is not None:
+                box: str | None = known[0].box
+            else:  # one box needs no look-up: every lease of the pool is on it
+                box = await table.box_of(pool, holder) if len(boxes) > 1 else None
+            claim = SlotClaim(box or boxes[0], slots.reflection_slot)
+            if table is self.shared:  # several processes send to it: their requests take turns
+                turn = functools.partial(self.shared.slot_turn, pool, claim.box, claim.slot)
+        else:
+            found = await self._claim(table, link, pool, boxes, holder)
+            if found is None:
+                return await self.slots.place(link, thread_id)
+            claim = found
         model = await self.box_model(claim.box) if self.box_model is not None and len(boxes) > 1 else None
-        notes: dict[str, Any] = {"placement": "shared", "box": claim.box}
+        notes: dict[str, Any] = {"placement": "shared", "box": claim.box} if table is self.shared else {}
+        if len(boxes) > 1:
+            notes["box"] = claim.box
         if claim.took_from is not None:
             notes["took_idle_slot"] = True
         slot: int | None = claim.slot
         if claim.guest:
-            # Every slot is held: no slot is named (llama-server takes an idle one, or queues the
-            # request), since a request naming a busy slot can hang it when its prompt cache is on.
+            # Every slot's thread is running: no slot is named (llama-server takes an idle one, or
+            # queues the request), since a request naming a busy slot can hang it or corrupt the
+            # generation running there when its prompt cache is on.
             notes["guest"], slot = True, None
         return Placement(
             slot=slot,
-            headers=self.fallback.headers(link, thread_id),
+            headers=self.slots.headers(link, thread_id),
             box=claim.box,
             notes=notes,
             model=model,
@@ -317,11 +373,12 @@ class SharedPlacement:
         asks the table again, as another thread may hold the slot by then.
         """
         holder = routing_key(thread_id)
-        for pool, held in [key for key in self._held if key[1] == holder]:
-            claim, _ = self._held.pop((pool, held))
+        for key in [key for key in self._held if key[2] == holder]:
+            claim, _ = self._held.pop(key)
             if claim.guest:
                 continue
+            table = self.local if key[0] == id(self.local) else self.table
             try:
-                await self.state.release_slot(pool, holder)
+                await table.release_slot(key[1], holder)
             except SharedStateUnavailable as error:
                 logger.debug("releasing a slot in the shared state failed: %s", error)

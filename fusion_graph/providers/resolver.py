@@ -29,12 +29,13 @@ from fusion_graph.providers.health import HealthPolicy
 from fusion_graph.providers.links import ChainLink, close_chat_model
 from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.models import Provider, build_cloud_model, build_local_model, model_name
-from fusion_graph.providers.placement import InProcessPlacement, Placer, SharedPlacement
+from fusion_graph.providers.placement import InProcessPlacement, LeasedPlacement, Placer
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
 from fusion_graph.providers.slots import BoxSlots, SlotPool
 from fusion_graph.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.shared_state import SharedState
+from fusion_graph.slot_leases import LocalLeases
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,14 @@ class ProviderResolver:
         self.servers = LocalServers(self.settings, injected_local=local is not None)
         #: This process's slot table; the fallback of a shared placement.
         self.local_slots = InProcessPlacement(self.settings, self.servers.props, gateway=self.servers.gateway)
-        #: Where every local request goes (``Placer``): this process's slot table unless shared.
-        self.placement: Placer = self.local_slots
+        #: Where every local request goes (``Placer``): leases by one rule (``slot_leases.choose_slot``),
+        #: in this process's table, or the deployment's when shared; behind a gateway without shared
+        #: state, the gateway's box and this process's per-box slot table.
+        self.placement: Placer = (
+            self.local_slots
+            if self.servers.gateway
+            else LeasedPlacement(LocalLeases(), self.local_slots, boxes=(), box_model=None)
+        )
         #: What the deployment's worker processes share (``shared_state="postgres"``), else ``None``.
         self.shared: SharedState | None = None
         self._box_models: dict[str, BaseChatModel] = {}
@@ -131,7 +138,7 @@ class ProviderResolver:
                 timeout_s=self.settings.shared_state_timeout_s,
             )
             boxes = self.settings.local_workers if self.servers.gateway else ()
-            self.placement = SharedPlacement(
+            self.placement = LeasedPlacement(
                 self.shared, self.local_slots, boxes=boxes, box_model=self._box_model if boxes else None
             )
             if chain is not None:

@@ -195,6 +195,7 @@ async def label_all(
                 )
                 write(line)
                 tally.count(line)
+            await placer.release(thread_id)  # its trajectory is done: its slot may go to the next
 
     try:
         async with asyncio.TaskGroup() as group:

@@ -38,6 +38,7 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._gates: set[asyncio.Event] = set()
+        self._connections: set[asyncio.Task[None]] = set()
         self._new_frozen = False
         #: Connections accepted so far.
         self.accepted = 0
@@ -57,6 +58,9 @@ class FaultProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
         gate = asyncio.Event()
         if not self._new_frozen:
             gate.set()
@@ -123,10 +127,11 @@ class FaultProxy:
             return
 
         async def close() -> None:
-            for gate in self._gates:
-                gate.set()
             if self._server is not None:
                 self._server.close()
+            for task in self._connections:
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(close(), loop).result(timeout=10)

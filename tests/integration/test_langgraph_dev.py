@@ -43,10 +43,13 @@ def fakes() -> Iterator[tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]]:
 
 
 @contextlib.contextmanager
-def serve(tmp_path: Path, settings: dict[str, str], *, env_file: bool = False) -> Iterator[str]:
+def serve(
+    tmp_path: Path, settings: dict[str, str], *, env_file: bool = False, auth: bool = False
+) -> Iterator[str]:
     """A real ``langgraph dev`` in ``tmp_path`` with the operator's ``settings`` in its environment.
 
     ``env_file``: the config loads ``.env`` from ``tmp_path`` (as the repository's ``langgraph.json`` does).
+    ``auth``: the config names the shipped auth file (``examples/auth.py``), as the docs tell operators to.
     """
     if not CLI.exists():
         pytest.fail(f"langgraph CLI not found at {CLI}: install the dev extra (langgraph-cli[inmem])")
@@ -55,6 +58,8 @@ def serve(tmp_path: Path, settings: dict[str, str], *, env_file: bool = False) -
     graph["dependencies"] = [str(ROOT)]
     graph["graphs"] = {name: str(ROOT / path.removeprefix("./")) for name, path in graph["graphs"].items()}
     graph["env"] = str(tmp_path / ".env") if env_file else {}
+    if auth:
+        graph["auth"] = {"path": f"{ROOT / 'examples' / 'auth.py'}:auth"}
     config.write_text(json.dumps(graph), encoding="utf-8")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
@@ -357,3 +362,72 @@ async def test_the_env_template_copied_to_env_keeps_the_exported_key_under_langg
     assert cloud.request_headers and cloud.request_headers[0]["authorization"] == (
         "Bearer sk-exported-by-the-user-0123456789"
     )
+
+
+ALICE_TOKEN, BOB_TOKEN = "tok-alice-3f9a1c", "tok-bob-7d2e4b"
+ALICE_SECRET = "alice prefers the blue-ridge deployment window"
+
+
+async def test_two_authenticated_users_never_reach_each_others_memories(tmp_path: Path) -> None:
+    with FakeOpenAI([Reply(content="noted")]) as local:
+        settings = {
+            "OPENAI_API_KEY": "sk-operator-key-for-the-real-cloud",
+            "FUSION_LOCAL_BASE_URL": local.base_url,
+            "FUSION_LOCAL_SLOTS": "4",
+            "FUSION_EXAMPLE_TOKENS": json.dumps({ALICE_TOKEN: "alice", BOB_TOKEN: "bob"}),
+        }
+        with serve(tmp_path, settings, auth=True) as url:
+            alice: Any = get_client(url=url, headers={"Authorization": f"Bearer {ALICE_TOKEN}"})
+            bob: Any = get_client(url=url, headers={"Authorization": f"Bearer {BOB_TOKEN}"})
+            stranger: Any = get_client(url=url, headers={"Authorization": "Bearer forged"})
+            with pytest.raises(httpx.HTTPStatusError) as refused:
+                await stranger.threads.create()
+            assert refused.value.response.status_code == 401
+            [assistant] = await alice.assistants.search(graph_id="fusion")
+            mine = ("fusion_memories", assistant["assistant_id"], "alice")
+            await alice.store.put_item(list(mine), key="m1", value={"kind": "fact", "text": ALICE_SECRET})
+            assert (await alice.store.get_item(list(mine), key="m1"))["value"]["text"] == ALICE_SECRET
+
+            # The store API: bob can neither read, search, list nor write alice's memories.
+            for attempt in (
+                bob.store.get_item(list(mine), key="m1"),
+                bob.store.search_items(list(mine)),
+                bob.store.search_items(["fusion_memories"]),
+                bob.store.list_namespaces(prefix=["fusion_memories"]),
+                bob.store.put_item(list(mine), key="m2", value={"kind": "fact", "text": "planted"}),
+            ):
+                with pytest.raises(httpx.HTTPStatusError) as forbidden:
+                    await attempt
+                assert forbidden.value.response.status_code == 403
+
+            context = {"mode": "local", "sub_runners": "off"}
+            question = {"messages": [{"role": "user", "content": "when should we deploy?"}]}
+            # Naming alice through run config is refused before anything is written.
+            thread = await bob.threads.create()
+            joined = await bob.runs.wait(
+                thread["thread_id"],
+                "fusion",
+                input=question,
+                config={"configurable": {"user_id": "alice", **context}},  # the server takes one of the two
+                raise_error=False,
+            )
+            assert isinstance(joined, dict) and "__error__" in joined, joined
+            assert "names another user" in joined["__error__"]["message"]
+            assert not ((await bob.threads.get_state(thread["thread_id"]))["values"] or {}).get("messages")
+            assert local.requests == []
+            # Through metadata or context it is no identity at all: bob's runs recall bob's memories.
+            for extra in ({"metadata": {"user_id": "alice"}}, {"context": {**context, "user_id": "alice"}}):
+                thread = await bob.threads.create()
+                result = await bob.runs.wait(
+                    thread["thread_id"], "fusion", input=question, **({"context": context} | extra)
+                )
+                assert isinstance(result, dict) and result["messages"][-1]["content"] == "noted", result
+            assert local.requests and all(ALICE_SECRET not in json.dumps(r) for r in local.requests)
+            # Alice's own run recalls her memory (so the check above could have failed)...
+            thread = await alice.threads.create()
+            await alice.runs.wait(thread["thread_id"], "fusion", input=question, context=context)
+            assert ALICE_SECRET in json.dumps(local.requests[-1])
+            # ...and her thread is hers alone.
+            with pytest.raises(httpx.HTTPStatusError) as hidden:
+                await bob.threads.get(thread["thread_id"])
+            assert hidden.value.response.status_code == 404

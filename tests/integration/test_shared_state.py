@@ -146,3 +146,20 @@ async def test_requests_on_one_shared_slot_take_turns_across_workers(
     # Another slot, or the same slot of another box, is not held up.
     async with b.slot_turn("gw", "http://box-a:8080", 7), a.slot_turn("gw", "http://box-b:8080", 8):
         pass
+
+
+async def test_a_returning_thread_waits_for_its_home_box_and_an_idle_lease_goes_to_whoever_needs_it(
+    pair: tuple[SharedState, SharedState],
+) -> None:
+    a, b = pair
+    first = await a.claim_slot("crowd", BOXES, 1, "t1", 60.0, preferred=0)
+    second = await b.claim_slot("crowd", BOXES, 1, "t2", 60.0, preferred=0)
+    assert first.box != second.box
+    await a.release_slot("crowd", "t1")
+    await b.release_slot("crowd", "t2")
+    taken = await b.claim_slot("crowd", BOXES, 1, "t3", 60.0, preferred=0)  # every slot held, both idle
+    assert (taken.box, taken.took_from) == (first.box, "t1")  # the least recently used idle lease
+    home_full = await a.claim_slot("crowd", BOXES, 1, "t1", 60.0, preferred=0, stay_home=True)
+    assert home_full.home_full  # t3 runs on t1's home box: t1 waits rather than move
+    moved = await a.claim_slot("crowd", BOXES, 1, "t1", 60.0, preferred=0)
+    assert (moved.box, moved.took_from) == (second.box, "t2")  # waited long enough: it moves, once

@@ -330,3 +330,32 @@ async def test_run_task_streams_the_tokens_of_the_running_step(tmp_path: Path) -
     assert len(streamed) == 5 and {(e["step"], e["kind"]) for e in streamed} == {(0, "plan")}
     first_outcome = next(i for i, e in enumerate(events) if e.get("phase") == "outcome")
     assert all(events.index(e) < first_outcome for e in streamed)  # while the step ran
+
+
+@pytest.mark.parametrize("scheme", ["postgress", "postgresql"])
+def test_the_shared_state_urls_password_never_reaches_the_output_or_a_log_record(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    two_answers: None,
+    scheme: str,
+) -> None:
+    import logging
+
+    password = "pw-9f3kq"  # short: no key-shaped rule would catch it
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    monkeypatch.setenv("FUSION_SHARED_STATE", "postgres")
+    monkeypatch.setenv("FUSION_SHARED_STATE_URL", f"{scheme}://fusion:{password}@127.0.0.1:{free_port()}/db")
+    monkeypatch.setenv("FUSION_SHARED_STATE_TIMEOUT_S", "1")
+    caplog.set_level(logging.DEBUG)
+    args = ["run", "hi", "--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite")]
+    result = runner.invoke(app, [*args, "--context", '{"mode": "cloud", "sub_runners": "off"}'])
+    logged = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
+    assert password not in result.output and password not in logged
+    if scheme == "postgress":  # a misspelt URL: one line naming the variable, and nothing runs
+        assert result.exit_code == 2, result.output
+        assert "FUSION_SHARED_STATE_URL" in result.stderr and "Traceback" not in result.output
+    else:  # an unreachable database: the turn runs, placed in this process
+        assert result.exit_code == 0, result.output
+        assert "first" in result.stdout
+        assert "the shared state's Postgres" in logged  # it was tried, and the attempt was logged scrubbed

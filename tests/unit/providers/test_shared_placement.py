@@ -16,13 +16,13 @@ from fusion_graph.providers.chain import ProviderChain, board_key
 from fusion_graph.providers.health import HealthPolicy
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
-from fusion_graph.providers.placement import NOWHERE, InProcessPlacement, Placement, SharedPlacement
+from fusion_graph.providers.placement import NOWHERE, InProcessPlacement, LeasedPlacement, Placement
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.records import StepKind
 from fusion_graph.score import RouteDecision
 from fusion_graph.settings import FusionSettings
 from fusion_graph.shared_state import SharedState
-from fusion_graph.slot_leases import LeaseRow, choose_slot
+from fusion_graph.slot_leases import LeaseRow, LocalLeases, choose_slot
 
 BOXES = ("http://a", "http://b")
 
@@ -69,12 +69,15 @@ async def test_an_unreachable_shared_state_places_in_this_process_and_says_so() 
 
     fallback = InProcessPlacement(settings, no_props, gateway=False)
     state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
-    placer = SharedPlacement(state, fallback, boxes=(), box_model=None)
+    placer = LeasedPlacement(state, fallback, boxes=(), box_model=None)
     try:
         placed = await placer.place(link, "thread-1")
     finally:
         await state.aclose()
-    expected = await fallback.place(link, "thread-1")
+    # The same rule on this process's own table (an empty one: the thread's preferred slot).
+    expected = await LeasedPlacement(LocalLeases(), fallback, boxes=(), box_model=None).place(
+        link, "thread-1"
+    )
     assert placed.slot == expected.slot is not None
     assert str(placed.notes["placement"]).startswith(
         "in-process: the shared state's Postgres cannot be reached"
@@ -235,3 +238,49 @@ def test_when_every_slot_is_held_the_least_recently_used_idle_lease_goes_to_the_
     assert (mine.box, mine.slot, mine.took_from) == ("http://a", 1, None)
     busy = [r if not r.idle else LeaseRow(r.box, r.slot, r.holder, True, r.used_at) for r in rows]
     assert choose_slot(busy, BOXES, 2, "newcomer", preferred=0).guest
+
+
+def test_a_returning_thread_stays_on_the_box_whose_host_cache_has_its_prefix() -> None:
+    rows = [
+        LeaseRow("http://a", 0, "idle-oldest", True, 1.0, idle=True),
+        LeaseRow("http://a", 1, "running", True, 2.0),
+        LeaseRow("http://b", 0, "idle-newer", True, 5.0, idle=True),
+        LeaseRow("http://b", 1, "running-2", True, 3.0),
+    ]
+    back = choose_slot(rows, BOXES, 2, "returning", preferred=0, home="http://b")
+    assert (back.box, back.slot, back.took_from) == ("http://b", 0, "idle-newer")  # not a's older lease
+    new = choose_slot(rows, BOXES, 2, "new", preferred=0)
+    assert (new.box, new.slot) == ("http://a", 0)  # no home: the least recently used idle lease
+    full = [*rows[:2], LeaseRow("http://b", 0, "busy", True, 5.0), rows[3]]
+    waiting = choose_slot(full, BOXES, 2, "returning", preferred=0, home="http://b", stay_home=True)
+    assert waiting.home_full and waiting.guest
+    moved = choose_slot(full, BOXES, 2, "returning", preferred=0, home="http://b")
+    assert (moved.box, moved.slot, moved.home_full) == (
+        "http://a",
+        0,
+        False,
+    )  # moves rather than share a slot
+
+
+async def test_in_this_process_a_running_threads_slot_is_never_taken_and_an_idle_one_is() -> None:
+    settings = FusionSettings(local_slots=3, local_base_url="http://127.0.0.1:9/v1")  # 2 conversation slots
+    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+
+    async def no_props(link: ChainLink) -> Any:
+        return None
+
+    placer = LeasedPlacement(
+        LocalLeases(), InProcessPlacement(settings, no_props, gateway=False), boxes=(), box_model=None
+    )
+    one, two = await placer.place(link, "t1"), await placer.place(link, "t2")
+    assert {one.slot, two.slot} == {0, 1}
+    third = await placer.place(link, "t3")  # both threads are running: a guest names no slot
+    assert third.slot is None and third.notes["guest"]
+    await placer.release("t1")
+    await placer.release("t3")
+    third = await placer.place(link, "t3")
+    assert third.slot == one.slot and third.notes["took_idle_slot"]
+    again = await placer.place(link, "t3")  # the takeover is news once; the lease is simply used after
+    assert again.slot == one.slot and "took_idle_slot" not in again.notes
+    assert (await placer.place(link, "t2")).slot == two.slot  # a running thread keeps its slot
+    assert (await placer.place(link, "t1")).slot is None  # t1 comes back while both run: a guest

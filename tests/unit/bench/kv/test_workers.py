@@ -136,7 +136,7 @@ def test_quick_keeps_a_threads_first_local_steps() -> None:
 
 def test_worker_settings_per_placement() -> None:
     in_process = worker_env(
-        WorkersVariant("in-process", 2, 1, "tight"),
+        "in-process",
         local_base_url=f"{BOX_A}/v1",
         boxes=[BOX_A],
         database=None,
@@ -146,7 +146,7 @@ def test_worker_settings_per_placement() -> None:
     assert in_process["FUSION_SHARED_STATE"] == "off"
     assert "FUSION_LOCAL_WORKERS" not in in_process and "FUSION_SHARED_STATE_URL" not in in_process
     shared = worker_env(
-        WorkersVariant("shared", 2, 2, "tight"),
+        "shared",
         local_base_url="http://127.0.0.1:9/v1",
         boxes=[BOX_A, f"{BOX_B}/"],
         database="postgresql://x@127.0.0.1:5/kv",
@@ -155,9 +155,7 @@ def test_worker_settings_per_placement() -> None:
     assert shared["FUSION_SHARED_STATE_URL"] == "postgresql://x@127.0.0.1:5/kv"
     assert json.loads(shared["FUSION_LOCAL_WORKERS"]) == [BOX_A, BOX_B]
     with pytest.raises(ValueError, match="database"):
-        worker_env(
-            WorkersVariant("shared", 2, 1, "tight"), local_base_url=BOX_A, boxes=[BOX_A], database=None
-        )
+        worker_env("shared", local_base_url=BOX_A, boxes=[BOX_A], database=None)
 
 
 def _step(
