@@ -234,8 +234,9 @@ def run_one(
     sps: float,
     slots: int,
     cluster: PostgresCluster | None,
+    home_wait_s: float | None = None,
 ) -> dict[str, Any]:
-    """One variant on fresh boxes, workers and database; its leaf."""
+    """One variant on fresh boxes, workers and database; its leaf (``home_wait_s``: the workers' setting)."""
     name = variant.name
     np = slots // variant.boxes + 1  # and the reflection slot
     box_args = ["--slot-prompt-similarity", f"{sps:g}"]
@@ -256,6 +257,8 @@ def run_one(
                 database = cluster.create_database(db)
                 stack.callback(cluster.drop_database, db)
             env = worker_env(kind, local_base_url=boxes[0].openai_base_url, boxes=urls, database=database)
+            if home_wait_s is not None:
+                env["FUSION_SLOT_HOME_WAIT_S"] = f"{home_wait_s:g}"
             workers = [
                 PlacementWorker(env, log_path=setup.logs / f"{name}-worker{i}.log")
                 for i in range(variant.workers)
@@ -391,6 +394,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"every box's --slot-prompt-similarity (default {SPS:g}; llama-server's own: 0.1)",
     )
     parser.add_argument(
+        "--home-wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the workers' FUSION_SLOT_HOME_WAIT_S (default: the setting's own default)",
+    )
+    parser.add_argument(
         "--cloud-share",
         type=int,
         default=CLOUD_SHARE,
@@ -441,6 +451,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sps=args.sps,
                 slots=args.slots,
                 cluster=cluster,
+                home_wait_s=args.home_wait,
             )
             results[variant.name] = leaf
             progress(
@@ -462,6 +473,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cloud_share": args.cloud_share,
         "box_flags": ["--slot-prompt-similarity", f"{args.sps:g}", "--cache-ram (llama-server's default)"],
         "slot_warm_up": "one 'warm' request naming each slot of each box before the replay",
+        "home_wait_s": args.home_wait,
         "llama_server_version": planned.llama_server_version,
         "model": f"tiny random-weight qwen2 (harness write_tiny_model), n_ctx {MODEL_N_CTX}",
         "ctx_per_slot": planned.slot_ctx,

@@ -6,13 +6,16 @@ graph's one ``Placer`` for a ``Placement`` and sends it as is: the slot as
 box pin where the placer chose the box) with the request. After the answer,
 ``served`` tells the placer which box a gateway answered from.
 
-``InProcessPlacement`` keeps the slot table in this process (``SlotPool``, or
-``BoxSlots`` behind a gateway): right for an embedded graph and one server
-process. A deployment of several worker processes shares its placement
-through the deployment's Postgres instead (``SharedPlacement`` over
-``fusion_graph.shared_state``), behind the same two methods: a new thread takes
-a free slot on the box with the fewest threads, and its requests go straight
-to that box, so boxes fill evenly whatever a gateway's tie-breaking does.
+``LeasedPlacement`` places by leases, one rule (``slot_leases.choose_slot``)
+on one of two tables: this process's own (``LocalLeases``: an embedded graph,
+one server process) or the deployment's Postgres (``SharedState``: several
+worker processes). A new thread takes a free slot on the box with the fewest
+threads and its requests go straight to that box; a run's end marks its lease
+idle for a thread that needs one; a running thread's slot is never given away.
+``InProcessPlacement`` says how many slots a server has and which headers a
+request carries; it also places by itself (``SlotPool``/``BoxSlots``) behind
+a gateway without shared state, learning each thread's box from the answers
+(``served``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ to ``proxy.port``), it forwards bytes both ways until told otherwise:
   accepted but never answered (a server that stalls after connect);
 - ``freeze(new=False)``: only the open connections go silent, new ones work
   (pooled connections a NAT or a failover dropped without a word);
-- ``thaw()``: everything forwards again.
+- ``thaw()``: everything forwards again;
+- ``stop()`` then ``start(proxy.port)``: the server is gone (its connections
+  dropped, new ones refused), then back on the same port: a restart.
 
 It runs on an event loop thread of its own, so a test on any loop (or none)
 can drive it. Loopback only.
@@ -43,17 +45,17 @@ class FaultProxy:
         #: Connections accepted so far.
         self.accepted = 0
 
-    def start(self) -> Self:
-        """Listen on a free loopback port (``port``) and forward from now on."""
+    def start(self, port: int = 0) -> Self:
+        """Listen on ``port`` (0: a free loopback port; ``port`` says which) and forward from now on."""
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._thread = threading.Thread(target=loop.run_forever, name="fault-proxy", daemon=True)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._listen(), loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._listen(port), loop).result(timeout=10)
         return self
 
-    async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._accept, HOST, 0)
+    async def _listen(self, port: int) -> None:
+        self._server = await asyncio.start_server(self._accept, HOST, port, reuse_address=True)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -125,6 +127,7 @@ class FaultProxy:
         loop, self._loop = self._loop, None
         if loop is None:
             return
+        self._gates, self._new_frozen = set(), False
 
         async def close() -> None:
             if self._server is not None:
@@ -138,6 +141,7 @@ class FaultProxy:
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._connections = set()
 
     def __enter__(self) -> Self:
         return self.start()

@@ -150,3 +150,54 @@ async def test_a_memory_job_left_by_a_killed_server_worker_is_finished_once_by_t
     assert_unique_ids(state["values"])
     humans = [m["content"] for m in state["values"]["messages"] if m["type"] == "human" and not m.get("name")]
     assert humans == ["I prefer tabs.", "And spaces?", "Thanks."]
+
+
+@pytest.mark.parametrize("mode", ["wait", "stream"])
+async def test_turns_on_two_workers_complete_while_the_shared_state_database_stalls_and_restarts(
+    start_langgraph_server: StartServer, postgres_url: str, llama_server_9: LlamaServer, mode: str
+) -> None:
+    from fusion_graph_testing.fault_proxy import FaultProxy
+    from tests.plugins.langgraph_server import _database
+
+    name = f"shared_{mode}"
+    target = _database(postgres_url, name, create=True)
+    port = int(target.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    proxy = FaultProxy(port).start()
+    try:
+        via_proxy = target.replace(f":{port}/", f":{proxy.port}/")
+        server = start_langgraph_server(
+            shared(
+                FUSION_LOCAL_BASE_URL=llama_server_9.openai_base_url,
+                FUSION_SHARED_STATE_URL=via_proxy,
+                FUSION_SHARED_STATE_TIMEOUT_S="2",
+            ),
+            workers=2,
+        )
+        clients: list[Any] = [get_client(url=url) for url in server.urls]
+        assistant = await assistant_of(clients[0])
+        thread = (await clients[0].threads.create())["thread_id"]
+
+        async def turn(k: int, text: str) -> str:
+            await bounded(Turn(clients[k % 2], assistant, thread, text, mode, LOCAL).run(), text, server)
+            state = await clients[0].threads.get_state(thread)
+            return str(
+                [r for r in state["values"]["route_log"] if r["kind"] == "plan"][-1]["extra"]["placement"]
+            )
+
+        placements = [await turn(0, "first question")]
+        proxy.freeze()  # the shared state's database stalls
+        placements.append(await turn(1, "second question"))
+        proxy.thaw()
+        proxy.stop()  # and goes away: connections dropped, new ones refused
+        placements.append(await turn(0, "third question"))
+        proxy.start(proxy.port)  # back on the same address
+        await asyncio.sleep(8)  # each worker's back-off (at most 5 s) and a connect
+        placements.append(await turn(1, "fourth question"))
+        state = await clients[0].threads.get_state(thread)
+    finally:
+        proxy.stop()
+        _database(postgres_url, name, create=False)
+    assert placements[0] == "shared" and placements[3] == "shared", placements
+    assert all(p.startswith("in-process: the shared state's Postgres") for p in placements[1:3]), placements
+    assert_unique_ids(state["values"])
+    assert [m["type"] for m in state["values"]["messages"]].count("human") == 4  # every turn answered, once
