@@ -544,6 +544,7 @@ class LangGraphServer:
         redis_server: Path | None = None,
         log_dir: Path | None = None,
         startup_timeout: float = 180.0,
+        auth: Mapping[str, Any] | None = None,
     ) -> None:
         """Configures the server; nothing starts until :meth:`start`.
 
@@ -565,6 +566,7 @@ class LangGraphServer:
             redis_server: The ``redis-server`` executable; default :func:`ensure_redis_server`.
             log_dir: Where logs and generated files go; default a fresh temp folder.
             startup_timeout: Seconds each worker may take to answer ``GET /ok``.
+            auth: The served config's ``auth`` (e.g. ``{"path": "/abs/auth.py:auth"}``); ``None``: none.
 
         Raises:
             LangGraphServerNotInstalled: ``langhost`` or ``redis-server`` is missing.
@@ -592,6 +594,7 @@ class LangGraphServer:
             self.log_dir / "redis", binary=redis_binary, log_path=self.log_dir / "redis.log"
         )
         self._env = dict(env or {})
+        self.auth = dict(auth) if auth is not None else None
         self.workers: tuple[LangGraphWorker, ...] = ()
 
     # -- set-up ------------------------------------------------------------
@@ -600,7 +603,14 @@ class LangGraphServer:
         """Writes the ``langgraph.json`` the workers serve: the graphs by absolute path, no ``.env``."""
         graphs = graphs_of(self.config_path)
         root = self.config_path.parent
-        served = {"dependencies": [str(root)], "graphs": graphs, "env": {}, "python_version": "3.11"}
+        served: dict[str, Any] = {
+            "dependencies": [str(root)],
+            "graphs": graphs,
+            "env": {},
+            "python_version": "3.11",
+        }
+        if self.auth is not None:
+            served["auth"] = self.auth
         path = self.log_dir / "langgraph.json"
         path.write_text(json.dumps(served, indent=2), encoding="utf-8")
         return path

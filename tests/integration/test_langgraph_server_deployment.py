@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from langgraph_sdk import get_client
 
@@ -31,6 +32,7 @@ from tests.integration.test_langgraph_server_harness import (
 )
 from tests.plugins.langgraph_server import StartServer
 
+ROOT = Path(__file__).resolve().parents[2]
 #: Every step local, short answers (the tiny model), no memory jobs: one request per turn.
 LOCAL = {"mode": "local", "max_completion_tokens": 16, "sub_runners": "off"}
 GOOD = json.dumps({"items": [{"kind": "fact", "text": "The user prefers tabs."}]})
@@ -201,3 +203,43 @@ async def test_turns_on_two_workers_complete_while_the_shared_state_database_sta
     assert all(p.startswith("in-process: the shared state's Postgres") for p in placements[1:3]), placements
     assert_unique_ids(state["values"])
     assert [m["type"] for m in state["values"]["messages"]].count("human") == 4  # every turn answered, once
+
+
+ALICE_TOKEN, BOB_TOKEN = "tok-alice-server-51c2", "tok-bob-server-88ae"
+
+
+async def test_on_two_workers_with_auth_a_user_reaches_no_other_users_memories_through_the_store_api(
+    start_langgraph_server: StartServer,
+) -> None:
+    # Runs are not part of this test: this server version fails every run once custom auth is on
+    # (it cannot store the authenticated user with the run); docs/deploying.md says so, and
+    # tests/integration/test_langgraph_dev.py runs the two users' turns under langgraph dev.
+    server = start_langgraph_server(
+        shared(FUSION_EXAMPLE_TOKENS=json.dumps({ALICE_TOKEN: "alice", BOB_TOKEN: "bob"})),
+        workers=2,
+        auth={"path": f"{ROOT / 'examples' / 'auth.py'}:auth"},
+    )
+    alice = [get_client(url=url, headers={"Authorization": f"Bearer {ALICE_TOKEN}"}) for url in server.urls]
+    bob = [get_client(url=url, headers={"Authorization": f"Bearer {BOB_TOKEN}"}) for url in server.urls]
+    assistant = await assistant_of(alice[0])
+    mine = ["fusion_memories", assistant, "alice"]
+    await alice[0].store.put_item(mine, key="m1", value={"kind": "fact", "text": "alice's own"})
+    assert (await alice[1].store.get_item(mine, key="m1"))["value"]["text"] == "alice's own"
+    for client in bob:  # whichever worker answers
+        attempts = (
+            client.store.get_item(mine, key="m1"),
+            client.store.search_items(mine),
+            client.store.search_items(["fusion_memories"]),
+            client.store.list_namespaces(prefix=["fusion_memories"]),
+            client.store.put_item(mine, key="m2", value={"kind": "fact", "text": "planted"}),
+            client.store.delete_item(mine, key="m1"),
+        )
+        for attempt in attempts:
+            with pytest.raises(httpx.HTTPStatusError) as forbidden:
+                await attempt
+            assert forbidden.value.response.status_code == 403
+    thread = await alice[0].threads.create()
+    with pytest.raises(httpx.HTTPStatusError) as hidden:
+        await bob[1].threads.get(thread["thread_id"])
+    assert hidden.value.response.status_code == 404
+    assert (await alice[1].store.get_item(mine, key="m1"))["value"]["text"] == "alice's own"
