@@ -34,6 +34,7 @@ from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.redact import StreamScrubber, registered_secrets, scrub_content, scrub_known
 from fusion_graph.shared_state import SharedStateUnavailable
 from fusion_graph.state import InputState, State
+from fusion_graph.tools.files import check_run_root
 
 logger = logging.getLogger(__name__)
 #: Seconds a run waits for the thread's run in another process to end before it is refused.
@@ -175,9 +176,14 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         if kwargs.get("context") is not None:
             kwargs["context"] = ensure_context(kwargs["context"])  # a clear error before anything runs
         if input is not None:
-            # Refused for its context (an operator bound, a provider that cannot be built) before the
-            # input is written: a refused run leaves the thread as it was, with no orphaned message.
-            await self.memory_runs.resolver.chain(ensure_context(kwargs.get("context")))
+            # Refused for its context (an operator bound, a provider that cannot be built, a run root
+            # reached through a symlink) before the input is written: a refused run leaves the thread
+            # as it was, with no orphaned message, and no model is asked.
+            run_context = ensure_context(kwargs.get("context"))
+            await self.memory_runs.resolver.chain(run_context)
+            if run_context.workspace_root is not None:
+                operator_root = self.memory_runs.resolver.settings.workspace_root
+                await asyncio.to_thread(check_run_root, operator_root, run_context.workspace_root)
         thread = (config or {}).get("configurable", {}).get("thread_id")
         if input is None:
             await self._check_resumable(config, thread)

@@ -13,13 +13,14 @@ ones (``budget.cloud_budget``). Read once at graph build from
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import posixpath
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from fusion_graph.errors import ContextError
 from fusion_graph.paths import lexical_parts
@@ -69,7 +70,7 @@ class FusionSettings(BaseSettings):
     cloud_model: Annotated[str, Field(min_length=1)] = Field(
         "gpt-4o-mini", description="Cloud chat model name (OpenAI or OpenAI-compatible)."
     )
-    cloud_models: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
+    cloud_models: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], NoDecode] = Field(
         (), description="Further cloud models a run's context may pick instead of cloud_model (allow-list)."
     )
     cloud_base_url: str | None = Field(
@@ -94,7 +95,7 @@ class FusionSettings(BaseSettings):
         "of its id), so a gateway in front of several llama-servers (smg --policy manual "
         "--routing-key-headers x-fusion-thread) keeps each thread on one box; empty sends none.",
     )
-    local_workers: tuple[str, ...] = Field(
+    local_workers: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
         description="The llama-server boxes' own base URLs when local_base_url is a gateway: their "
         "/props (slots, window) and /tokenize are read there, and they must agree on model and -np. "
@@ -224,7 +225,7 @@ class FusionSettings(BaseSettings):
         description="Let a mode='local' run fall over to cloud (and mode='cloud' to local) when its own "
         "leg is down; off, a single-leg mode never calls the other leg's provider.",
     )
-    secret_files: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
+    secret_files: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], NoDecode] = Field(
         DEFAULT_SECRET_FILES,
         description="Name patterns (fnmatch, per path component; a trailing '/' names a directory) "
         "the built-in file tools refuse to read or edit. Set a longer list to extend it, [] to clear it.",
@@ -260,6 +261,22 @@ class FusionSettings(BaseSettings):
                 f"{info.field_name} must be an http:// or https:// URL with a host, got {value!r}"
             )
         return value
+
+    @field_validator("cloud_models", "local_workers", "secret_files", mode="before")
+    @classmethod
+    def _text_list(cls, value: Any) -> Any:
+        """A list setting from a variable: a JSON list, or plain comma-separated items (empty: none)."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f'not a valid JSON list ({error.msg}); write it as a,b or as ["a", "b"]'
+                ) from None
+        return tuple(item.strip() for item in text.split(",") if item.strip())
 
     @field_validator("local_workers")
     @classmethod

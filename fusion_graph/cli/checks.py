@@ -10,6 +10,7 @@ through the same functions (``key_variable``, ``local_start_line``).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from fusion_graph.cli.common import fail
@@ -53,14 +54,14 @@ def needs_local(context: FusionContext) -> bool:
     return context.mode == "local" or (context.mode == "fusion" and context.cloud_share < 100)
 
 
-def check_cloud_key(settings: FusionSettings) -> None:
+def check_cloud_key(settings: FusionSettings, context: FusionContext | None = None) -> None:
     """Raise a CLI error naming the variable to set when the cloud key is missing.
 
-    The key is ``settings.api_key()`` (which reads ``./.env`` too). The graph's
-    default chain builds both legs whatever the mode, so the key is needed even for
-    a run that would only use llama-server.
+    The key is ``settings.api_key()`` (which reads ``./.env`` too). A run in
+    ``mode="local"`` builds no cloud leg and needs none; every other mode builds
+    both legs (a local step can fall over to the cloud), so it needs the key.
     """
-    if settings.api_key() is not None:
+    if settings.api_key() is not None or (context is not None and context.mode == "local"):
         return
     name = key_variable(settings)
     if name is None:
@@ -125,6 +126,42 @@ async def default_models(
     context: FusionContext, settings: FusionSettings
 ) -> tuple[BaseChatModel, BaseChatModel] | None:
     """Check the configured endpoints (fail fast); the graph then builds its models from the settings."""
-    check_cloud_key(settings)
+    check_cloud_key(settings, context)
     await check_local_server(context, settings)
     return None
+
+
+#: ``FUSION_*`` variables read outside the settings and the run context: where the replays find
+#: traces, where the llama-server build is cached, and the tokens of the auth example.
+OTHER_VARIABLES = ("FUSION_TRACES_DIR", "FUSION_GRAPH_CACHE", "FUSION_EXAMPLE_TOKENS")
+
+
+def unknown_variables(*sources: Iterable[str]) -> list[tuple[str, str | None]]:
+    """Each ``FUSION_*`` name in ``sources`` that no setting reads, with the likeliest one meant.
+
+    A misspelt variable is otherwise ignored without a word (``FUSION_CLOUD_SHAR=50``).
+    """
+    import difflib
+
+    from fusion_graph.cli.docs import config_rows
+
+    known = {row[4] for row in config_rows()} | set(OTHER_VARIABLES)
+    names = sorted({name for source in sources for name in source if name.startswith("FUSION_")} - known)
+    return [
+        (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)) for name in names
+    ]
+
+
+def dotenv_names(path: str = ".env") -> list[str]:
+    """The variables ``./.env`` names (none without one)."""
+    import os
+
+    from dotenv import dotenv_values
+
+    return list(dotenv_values(path)) if os.path.isfile(path) else []
+
+
+def unknown_line(name: str, meant: str | None) -> str:
+    """One line about an unknown variable: that it is ignored, and what was likely meant."""
+    guess = f" (did you mean {meant}?)" if meant else ""
+    return f"{name} is not a fusion-graph setting{guess}: it is ignored"

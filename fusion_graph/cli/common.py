@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from rich.progress import (
 )
 
 from fusion_graph.records import is_step
-from fusion_graph.redact import scrub_known
+from fusion_graph.redact import scrub, scrub_known
 
 if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
@@ -125,13 +127,44 @@ def build_context(raw: str | None, **overrides: Any) -> FusionContext:
 def build_settings(**overrides: Any) -> FusionSettings:
     """The operator's settings: ``FUSION_*`` variables (and ``.env``), plus explicit options."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from fusion_graph.settings import FusionSettings
 
     try:
         return FusionSettings(**{key: value for key, value in overrides.items() if value is not None})
     except ValidationError as error:
-        raise fail(f"invalid FUSION_* settings: {error}") from error
+        problems = [
+            (str(e["loc"][0]) if e["loc"] else "", e["msg"].removeprefix("Value error, "))
+            for e in error.errors()
+        ]
+        raise fail("; ".join(setting_problem(name, why, overrides) for name, why in problems)) from None
+    except SettingsError as error:
+        found = re.search(r'field "(\w+)"', str(error))
+        name = found.group(1) if found else ""
+        raise fail(
+            setting_problem(
+                name, "not valid JSON (write it as JSON, as docs/configuration.md shows)", overrides
+            )
+        ) from None
+
+
+def setting_problem(field: str, why: str, overrides: Mapping[str, Any]) -> str:
+    """One setting's problem on one line: the variable, where its value came from, and what is wrong."""
+    from dotenv import dotenv_values
+
+    from fusion_graph.settings import ENV_PREFIX
+
+    variable = ENV_PREFIX + field.upper()
+    if field in overrides and overrides[field] is not None:
+        where = "a command-line option"
+    elif variable in os.environ:
+        where = "the environment"
+    elif os.path.isfile(".env") and variable in dotenv_values(".env"):
+        where = "./.env"
+    else:
+        where = "its default"
+    return f"{variable} (from {where}): {scrub(why)}"
 
 
 def run_prices(context: FusionContext, settings: FusionSettings) -> StepPrices:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -30,8 +31,11 @@ from fusion_graph.cli.checks import (
     check_cloud_key,
     check_local_server,
     default_models,
+    dotenv_names,
     key_variable,
     needs_local,
+    unknown_line,
+    unknown_variables,
 )
 from fusion_graph.cli.common import (
     CloudShare,
@@ -383,6 +387,7 @@ def run(
         LlamaServerUnavailable,
         ProviderConfigError,
         ProviderRequestError,
+        ThreadBusy,
     )
 
     if not workspace.is_dir():
@@ -391,6 +396,8 @@ def run(
     settings = build_settings(workspace_root=str(workspace.resolve()))
     if key_variable(settings) is None and settings.api_key() is not None:
         stderr_console().print(f"note: {KEY_IN_NAME}: {KEY_IN_NAME_FIX}", highlight=False, soft_wrap=True)
+    for unknown, meant in unknown_variables(os.environ, dotenv_names()):
+        stderr_console().print(f"note: {unknown_line(unknown, meant)}", highlight=False, soft_wrap=True)
     name = thread or uuid.uuid4().hex[:12]
     options = {"thread_id": name, "new_thread": new_thread or thread is None, "db": db, "postgres": postgres}
     where = "Postgres" if postgres else str(db)
@@ -406,6 +413,11 @@ def run(
         raise fail(str(error)) from None
     except (ChainExhausted, ProviderRequestError) as error:
         raise fail(f"{error}\n(the thread is saved: continue it with --thread {name})") from None
+    except ThreadBusy:
+        raise fail(
+            f"thread {name!r} is running in another process right now (nothing was written): wait "
+            f"for that run to end, then run this one again with --thread {name}"
+        ) from None
     if as_json:
         typer.echo(result.as_json())
         return

@@ -31,8 +31,9 @@ from typing import BinaryIO
 
 from langchain_core.tools import ToolException
 
-from fusion_graph.errors import FusionError
+from fusion_graph.errors import ContextError, FusionError
 from fusion_graph.paths import lexical_parts
+from fusion_graph.settings import workspace_subpath
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # NOTE: O_NONBLOCK so that opening a FIFO returns at once; fstat then refuses it.
@@ -125,6 +126,20 @@ def _refusal(err: OSError, dir_fd: int, name: str, shown: str, wanted: str) -> W
     if isinstance(err, PermissionError):
         return WorkspaceError(f"{shown!r}: permission denied; check its permissions or pick another path")
     return WorkspaceError(f"{shown!r} cannot be opened: {err.strerror}")
+
+
+def check_run_root(operator_root: str, requested: str) -> None:
+    """Refuse a run's ``workspace_root`` that cannot be walked to without a symlink, before the run starts.
+
+    The tools refuse such a root whenever they open it; a run checked here is
+    refused before any model is asked (``ContextError``), not at its first tool call.
+    Blocking (it opens directories): callers on an event loop run it in a thread.
+    """
+    root = WorkspaceRoot(Path(operator_root), workspace_subpath(operator_root, requested))
+    try:
+        os.close(_walk(root, []))
+    except WorkspaceError as error:
+        raise ContextError(str(error)) from None
 
 
 def _walk(root: Path | WorkspaceRoot, parts: list[str]) -> int:

@@ -103,3 +103,51 @@ def postgres_check(url: str, *, timeout: float) -> Check:
             name, "fail", f"cannot connect to {shown} ({detail})", "check the URL and that the server runs"
         )
     return Check(name, "ok", f"{shown} connects (server version {version})")
+
+
+def shared_state_check(url: str | None, *, timeout: float) -> Check:
+    """With ``FUSION_SHARED_STATE=postgres``: the shared state's database opens and answers ``SELECT 1``.
+
+    ``url`` is ``FusionSettings.shared_url()`` (``FUSION_SHARED_STATE_URL``, else ``DATABASE_URI``).
+    A database that does not answer fails no turn (it places in-process), but every worker then
+    keeps its own slots and cooldowns, so it is a failed row here.
+    """
+    name = "shared state"
+    if url is None:
+        return Check(
+            name,
+            "fail",
+            "FUSION_SHARED_STATE=postgres but no database is named",
+            "set FUSION_SHARED_STATE_URL=postgresql://... (a LangGraph server sets DATABASE_URI)",
+        )
+    shown = redact_url(url)
+    if not url.startswith(("postgres://", "postgresql://")):
+        scheme = url.split("://", 1)[0][:20] if "://" in url else ""
+        return Check(
+            name,
+            "fail",
+            f"the shared state's URL is not a postgresql:// URL (its scheme is {scheme!r})",
+            "fix FUSION_SHARED_STATE_URL (or DATABASE_URI when that is empty)",
+        )
+    try:
+        import psycopg
+        import psycopg_pool  # noqa: F401  (what the shared state needs)
+    except ImportError as error:
+        return Check(
+            name,
+            "fail",
+            f"shared state needs {error.name or 'psycopg'}",
+            "pip install 'fusion-graph[postgres]'",
+        )
+    try:
+        with psycopg.connect(url, connect_timeout=max(2, round(timeout))) as connection:
+            connection.execute("SELECT 1")
+    except psycopg.Error as error:
+        detail = scrub(f"{type(error).__name__}: {error}".splitlines()[0], [url])
+        return Check(
+            name,
+            "fail",
+            f"cannot connect to {shown} ({detail}); until it answers, every worker places in-process",
+            "check FUSION_SHARED_STATE_URL and that the server runs",
+        )
+    return Check(name, "ok", f"{shown} connects: slots, cooldowns and memory job claims are shared")

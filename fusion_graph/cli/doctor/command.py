@@ -18,9 +18,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from fusion_graph.cli.checks import first_prompt_tokens, key_variable
+from fusion_graph.cli.checks import first_prompt_tokens, key_variable, unknown_line, unknown_variables
 from fusion_graph.cli.common import build_context, build_settings, fail, stdout_console
-from fusion_graph.cli.doctor.checkpoints import DEFAULT_DB, postgres_check, sqlite_check
+from fusion_graph.cli.doctor.checkpoints import DEFAULT_DB, postgres_check, shared_state_check, sqlite_check
 from fusion_graph.cli.doctor.cloud import (
     FoundKey,
     blank_key_check,
@@ -61,6 +61,16 @@ def _hide(
         return text
 
     return [Check(c.name, c.status, hidden(c.detail), hidden(c.fix)) for c in checks]
+
+
+def variables_check(unknown: Sequence[tuple[str, str | None]]) -> Check:
+    """Every ``FUSION_*`` variable set is one a setting reads; a misspelt one is named with the likely fix."""
+    if not unknown:
+        return Check("FUSION_* names", "ok", "every FUSION_* variable set is a setting")
+    fixes = [f"rename {name} to {meant}" if meant else f"remove {name}" for name, meant in unknown]
+    return Check(
+        "FUSION_* names", "warn", "; ".join(unknown_line(n, m) for n, m in unknown), "; ".join(fixes)
+    )
 
 
 def render(checks: Sequence[Check]) -> Table:
@@ -109,7 +119,7 @@ def doctor(
         bool, typer.Option("--json", help="Print one JSON object instead of the table.")
     ] = False,
 ) -> None:
-    """Check the set-up: cloud key, endpoint and price, llama-server, workspace, checkpoint database.
+    """Check the set-up: cloud key, endpoint and price, llama-server, workspace, checkpoint and shared state.
 
     One row per check with what was found and the line that fixes it. The key
     is only ever named by its variable. llama-server's GET /props gives slots,
@@ -146,6 +156,9 @@ def doctor(
         *workspace_checks(settings, source),
         postgres_check(postgres, timeout=timeout) if postgres else sqlite_check(db),
     ]
+    if settings.shared_state != "off":
+        checks.append(shared_state_check(settings.shared_url(), timeout=timeout))
+    checks.append(variables_check(unknown_variables(os.environ, dotenv)))
     checks = _hide(checks, key, settings)
     ok = not any(c.status == "fail" for c in checks)
     if as_json:

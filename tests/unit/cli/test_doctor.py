@@ -432,3 +432,35 @@ def test_a_gateway_that_does_not_serve_local_model_fails_with_the_alias_to_set(
     found = rows(result)
     assert result.exit_code == 1
     assert found["gateway"]["status"] == "fail" and "--alias local" in found["gateway"]["fix"]
+
+
+# --------------------------------------------------------------------------- shared state
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        (None, "no database is named"),
+        ("postgress://fusion:pw-x1@127.0.0.1:5432/db", "scheme is 'postgress'"),
+        ("dead", "cannot connect to"),
+    ],
+)
+def test_a_shared_state_database_that_cannot_serve_is_a_failed_row_with_its_fix(
+    monkeypatch: pytest.MonkeyPatch, nothing_local: str, url: str | None, says: str
+) -> None:
+    monkeypatch.setenv("FUSION_SHARED_STATE", "postgres")
+    monkeypatch.delenv("DATABASE_URI", raising=False)
+    if url == "dead":
+        url = f"postgresql://fusion:pw-x1@127.0.0.1:{free_port()}/db"
+    if url is not None:
+        monkeypatch.setenv("FUSION_SHARED_STATE_URL", url)
+    result = invoke("--json", "--timeout", "1")
+    assert result.exit_code == 1, result.output
+    row = rows(result)["shared state"]
+    assert row["status"] == "fail" and says in row["detail"], row
+    assert "FUSION_SHARED_STATE_URL" in row["fix"] or "FUSION_SHARED_STATE_URL" in row["detail"]
+    assert "pw-x1" not in result.output
+
+
+def test_without_shared_state_doctor_has_no_shared_state_row(nothing_local: str) -> None:
+    assert "shared state" not in rows(invoke("--json", "--timeout", "1"))

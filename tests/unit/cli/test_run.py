@@ -104,11 +104,11 @@ def free_port() -> int:
         return port
 
 
-@pytest.mark.parametrize("mode", ["fusion", "local"])
+@pytest.mark.parametrize("mode", ["fusion", "cloud"])
 def test_run_without_a_cloud_key_names_the_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    # The default chain builds both legs, so even a local-only run needs the key.
+    # Every mode but local builds the cloud leg (a local step can fall over to it): it needs the key.
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.chdir(tmp_path)  # no .env here
     db = tmp_path / "db"
@@ -359,3 +359,19 @@ def test_the_shared_state_urls_password_never_reaches_the_output_or_a_log_record
         assert result.exit_code == 0, result.output
         assert "first" in result.stdout
         assert "the shared state's Postgres" in logged  # it was tried, and the attempt was logged scrubbed
+
+
+def test_a_local_only_run_needs_no_cloud_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("FUSION_CLOUD_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .env here
+    with FakeOpenAI([Reply(content="local answer")]) as local:
+        monkeypatch.setenv("FUSION_LOCAL_BASE_URL", local.base_url)
+        monkeypatch.setenv("FUSION_LOCAL_SLOTS", "2")
+        args = ["run", "hi", "--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite")]
+        result = runner.invoke(app, [*args, "--context", '{"mode": "local", "sub_runners": "off"}'])
+    assert result.exit_code == 0, result.output
+    assert "local answer" in result.stdout and "API key" not in result.output
+    assert len(local.requests) == 1

@@ -189,3 +189,45 @@ async def test_a_negative_count_is_refused(ws: Path) -> None:
         )
     assert (ws / "sub" / "a.txt").read_text() == "alpha\n"
     assert os.listdir(ws / "sub") == ["a.txt"]
+
+
+@pytest.mark.parametrize("mode", ["ainvoke", "messages"])
+async def test_a_run_root_reached_through_a_symlink_is_refused_before_a_model_is_asked(
+    tmp_path: Path, mode: str
+) -> None:
+    from langchain_core.runnables import RunnableConfig
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from fusion_graph import build_graph
+    from fusion_graph.context import FusionContext
+    from fusion_graph.errors import ContextError
+    from fusion_graph.settings import FusionSettings
+    from tests.plugins.fakes import scripted, user_input
+
+    operator = tmp_path / "operator"
+    outside = tmp_path / "outside"
+    operator.mkdir()
+    outside.mkdir()
+    (operator / "team").symlink_to(outside, target_is_directory=True)
+    cloud, local = scripted("c", ["never"]), scripted("l", ["never"])
+    graph = build_graph(
+        cloud_model=cloud,
+        local_model=local,
+        checkpointer=InMemorySaver(),
+        settings=FusionSettings(workspace_root=str(operator)),
+    )
+    config: RunnableConfig = {"configurable": {"thread_id": f"symlinked-{mode}"}}
+    context = FusionContext(workspace_root="team", sub_runners="off")
+    with pytest.raises(ContextError, match="symlink"):
+        if mode == "ainvoke":
+            await graph.ainvoke(user_input("list it"), config, context=context)
+        else:
+            async for _ in graph.astream(
+                user_input("list it"), config, context=context, stream_mode="messages"
+            ):
+                pass
+    assert not (await graph.aget_state(config)).values  # nothing was written
+    (operator / "real").mkdir()  # a real directory inside is accepted
+    real = FusionContext(workspace_root="real", sub_runners="off")
+    out = await graph.ainvoke(user_input("hi"), config, context=real)
+    assert out["messages"][-1].content in ("never",)
