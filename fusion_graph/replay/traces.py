@@ -25,9 +25,7 @@ from fusion_graph.errors import TraceError
 from fusion_graph.providers.pricing import TokenPrices, default_pricing, unit_prices
 from fusion_graph.settings import FusionSettings
 
-#: Where the shared traces live, relative to the repository root (``../shared/data/traces``).
-SHARED_TRACES = Path("..") / "shared" / "data" / "traces"
-#: The environment variable naming the traces directory (notebooks, ``shared_traces``, the CLI's default).
+#: The environment variable naming the traces directory (the CLI's default, the notebooks').
 TRACES_ENV = "FUSION_TRACES_DIR"
 #: Synthetic trajectories shipped with the package (written for it, no third-party data), for a first run.
 SAMPLE_TRACES = Path(__file__).resolve().parent / "sample_traces"
@@ -35,8 +33,8 @@ SAMPLE_TRACES = Path(__file__).resolve().parent / "sample_traces"
 SAMPLE_NAME = "fusion_graph/replay/sample_traces"
 #: What to do about traces that are not there, for every message that says so.
 WHERE_TRACES_ARE = (
-    f"point {TRACES_ENV} at a directory of OpenAI-format JSONL traces, or use the bundled sample "
-    f"({SAMPLE_NAME}: the default of `fusion-graph replay` and `calibrate` when no path is given)"
+    f"point {TRACES_ENV} at a directory of OpenAI-format JSONL traces, or unset it for the bundled "
+    f"sample ({SAMPLE_NAME}: the default of `fusion-graph replay`, `calibrate` and the notebooks)"
 )
 
 
@@ -61,33 +59,6 @@ def given_traces(environ: Mapping[str, str] | None = None) -> Path | None:
     return Path(given).expanduser() if given else None
 
 
-def shared_traces(environ: Mapping[str, str] | None = None, *, start: Path | None = None) -> Path:
-    """The traces directory: ``$FUSION_TRACES_DIR``, else ``shared/data/traces`` beside the repository root.
-
-    A relative ``FUSION_TRACES_DIR`` is read from the working directory. The
-    default does not depend on the working directory (a notebook's, a shell's):
-    it is ``SHARED_TRACES`` resolved against ``repository_root(start)``.
-
-    Raises:
-        FileNotFoundError: The directory holds no ``*.jsonl`` file; the message
-            names the path and ``FUSION_TRACES_DIR``.
-    """
-    given = given_traces(environ)
-    if given is not None:
-        path, origin = given, f"from {TRACES_ENV}"
-    else:
-        root = repository_root(start)
-        path = (root / SHARED_TRACES) if root is not None else SHARED_TRACES
-        origin = f"the default, {SHARED_TRACES} beside the repository root; set {TRACES_ENV} to change it"
-    path = path.resolve()
-    if not path.is_dir() or not any(path.glob("*.jsonl")):
-        raise FileNotFoundError(
-            f"the shared traces are missing: no *.jsonl files in {path} ({origin}). "
-            f"To read others, {WHERE_TRACES_ARE}."
-        )
-    return path
-
-
 def default_traces(environ: Mapping[str, str] | None = None) -> tuple[Path, str]:
     """The traces the CLI reads when it is given none, and a note that says which they are.
 
@@ -99,6 +70,37 @@ def default_traces(environ: Mapping[str, str] | None = None) -> tuple[Path, str]
     if given is not None:
         return given, f"{given} (from {TRACES_ENV})"
     return SAMPLE_TRACES, f"the bundled sample ({SAMPLE_NAME}); pass paths or set {TRACES_ENV} for others"
+
+
+def notebook_traces(
+    environ: Mapping[str, str] | None = None, *, start: Path | None = None
+) -> tuple[Path, str]:
+    """The traces a notebook replays, and a note that says which: the CLI's default, checked.
+
+    A notebook's kernel starts in ``notebooks/`` (Jupyter's rule), not where
+    the command was typed, so a relative ``FUSION_TRACES_DIR`` is read from the
+    repository root (the checkout holding ``start``, default the working
+    directory) rather than from the kernel's directory; outside a checkout,
+    from the working directory. Unset, the bundled sample: a clone runs every
+    notebook as it is.
+
+    Raises:
+        FileNotFoundError: ``FUSION_TRACES_DIR`` names a directory without
+            ``*.jsonl`` files; the message names the variable, the path it was
+            read as and what to do instead.
+    """
+    given = given_traces(environ)
+    if given is None:
+        return default_traces(environ)
+    root = repository_root(start) if not given.is_absolute() else None
+    path = ((root / given) if root is not None else given).resolve()
+    read_as = f"read from the repository root {root}" if root is not None else "read as given"
+    if not path.is_dir() or not any(path.glob("*.jsonl")):
+        raise FileNotFoundError(
+            f"the traces in {TRACES_ENV} are missing: no *.jsonl files in {path} ({TRACES_ENV}={given}, "
+            f"{read_as}). To read others, {WHERE_TRACES_ARE}."
+        )
+    return path, f"{path} (from {TRACES_ENV}, {read_as})"
 
 
 @dataclass(frozen=True)

@@ -4,28 +4,26 @@ Each notebook is executed as Jupyter would, in its own directory, by a kernel
 of this interpreter: a kernel spec written to a temporary ``JUPYTER_PATH``, so
 no kernel needs installing first and no other ``python3`` kernel can stand in.
 Its figures must come out as images (``image/png``), and it must print its own
-results. The notebooks read the shared traces (``FUSION_TRACES_DIR``, else
-``shared/data/traces`` beside the repository root): without them the run tests
-skip locally and fail under ``CI=true``, and a separate test checks that each
-notebook then fails loudly, naming the variable, instead of inventing data.
+results. As a clone has them, the notebooks replay the bundled sample traces;
+``FUSION_TRACES_DIR`` points them at others (a relative one read from the
+repository root, not the kernel's ``notebooks/``), and one naming a directory
+without traces stops each notebook with an error that names the variable.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fusion_graph.replay.traces import TRACES_ENV, shared_traces
+from fusion_graph.replay.traces import SAMPLE_NAME, TRACES_ENV
 from tests.plugins.requires import service_missing
 
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
-#: Read before the test fixtures clear FUSION_* variables: a developer's own traces directory.
-GIVEN_TRACES = os.environ.get(TRACES_ENV, "")
+REPO = Path(__file__).parents[2]
 KERNEL = "fusion-graph-tests"
 
 #: What each notebook must print when it ran through: its own result, not just any output.
@@ -62,7 +60,7 @@ def kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def execute(path: Path, kernel: str) -> Any:
-    """Run every cell of ``path`` in ``kernel``, from the notebook's directory; the executed notebook."""
+    """Run every cell of ``path`` in ``kernel``, from the notebook's directory, as Jupyter does."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -82,28 +80,43 @@ def test_every_notebook_has_expectations() -> None:
     assert sorted(EXPECTED_OUTPUT) == [p.name for p in NOTEBOOKS]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs_and_draws_images(path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if GIVEN_TRACES:
-        monkeypatch.setenv(TRACES_ENV, GIVEN_TRACES)
-    try:
-        traces = shared_traces()
-    except FileNotFoundError as error:
-        service_missing(f"the notebooks replay the shared traces: {error}")
-    assert traces.is_dir()
-    notebook = execute(path, kernel)
+def printed(notebook: Any) -> str:
+    """What the notebook printed: print() as streams, rich tables as displays with a plain-text form."""
+    return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in outputs(notebook))
+
+
+def assert_ran_through(path: Path, notebook: Any) -> str:
     found = outputs(notebook)
     assert not [o for o in found if o["output_type"] == "error"]
     images = [o for o in found if "image/png" in o.get("data", {})]
     assert images, f"{path.name} drew no image/png output (is the inline backend set?)"
-    # print() comes back as streams, rich tables as displays with a plain-text form.
-    text = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in found)
+    text = printed(notebook)
     for expected in EXPECTED_OUTPUT[path.name]:
         assert expected in text, f"{path.name} did not print {expected!r}"
+    return text
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_fails_loudly_without_traces(
+def test_notebook_runs_from_a_clone_on_the_bundled_sample(
+    path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(TRACES_ENV, raising=False)
+    text = assert_ran_through(path, execute(path, kernel))
+    assert f"traces: the bundled sample ({SAMPLE_NAME})" in text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_a_relative_traces_directory_is_read_from_the_repository_root(
+    path: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Named as from the root, where the command was typed; the kernel starts in notebooks/.
+    monkeypatch.setenv(TRACES_ENV, SAMPLE_NAME)
+    text = assert_ran_through(path, execute(path, kernel))
+    assert f"{(REPO / SAMPLE_NAME).resolve()} (from {TRACES_ENV}, read from the repository root" in text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_fails_loudly_when_the_variable_names_no_traces(
     path: Path, kernel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from nbclient.exceptions import CellExecutionError
@@ -112,5 +125,5 @@ def test_notebook_fails_loudly_without_traces(
     with pytest.raises(CellExecutionError) as failed:
         execute(path, kernel)
     assert failed.value.ename == "FileNotFoundError"
-    assert "shared traces are missing" in failed.value.evalue and "missing" in failed.value.evalue
-    assert TRACES_ENV in failed.value.evalue
+    assert f"the traces in {TRACES_ENV} are missing" in failed.value.evalue
+    assert str(tmp_path / "missing") in failed.value.evalue and "bundled" in failed.value.evalue

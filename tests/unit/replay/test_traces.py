@@ -15,26 +15,25 @@ from fusion_graph.replay.summary import is_paced, plan_note, summarize
 from fusion_graph.replay.traces import (
     SAMPLE_NAME,
     SAMPLE_TRACES,
-    SHARED_TRACES,
     TRACES_ENV,
     StepPrices,
     default_traces,
     families,
     load_trajectories,
+    notebook_traces,
     repository_root,
-    shared_traces,
 )
 
 REPO = Path(__file__).parents[3]
 
 
 def make_checkout(root: Path) -> Path:
-    """A directory that looks like a fusion-graph checkout, with traces beside it."""
+    """A directory that looks like a fusion-graph checkout, with a traces directory inside it."""
     (root / "repo" / "fusion_graph").mkdir(parents=True)
     (root / "repo" / "pyproject.toml").write_text("[project]\nname = 'fusion-graph'\n")
     (root / "repo" / "notebooks").mkdir()
-    traces = root / "shared" / "data" / "traces"
-    traces.mkdir(parents=True)
+    traces = root / "repo" / "traces"
+    traces.mkdir()
     (traces / "t.jsonl").write_text("{}\n")
     return root / "repo"
 
@@ -48,34 +47,38 @@ def test_repository_root_is_found_from_any_directory_inside_it(tmp_path: Path) -
     assert repository_root(tmp_path) == REPO
 
 
-def test_shared_traces_default_is_beside_the_repository_root_whatever_the_working_directory(
-    tmp_path: Path,
-) -> None:
+def test_a_notebook_reads_the_bundled_sample_when_no_directory_is_given(tmp_path: Path) -> None:
     repo = make_checkout(tmp_path)
-    expected = (tmp_path / "shared" / "data" / "traces").resolve()
-    assert shared_traces({}, start=repo / "notebooks") == expected
-    assert shared_traces({}, start=repo) == expected
-    assert shared_traces({TRACES_ENV: ""}, start=repo) == expected  # empty: the default
+    for environ in ({}, {TRACES_ENV: ""}, {TRACES_ENV: "  "}):
+        path, note = notebook_traces(environ, start=repo / "notebooks")
+        assert path == SAMPLE_TRACES and SAMPLE_NAME in note
 
 
-def test_shared_traces_reads_the_environment_variable(tmp_path: Path) -> None:
+def test_a_notebook_reads_a_relative_directory_from_the_repository_root_not_its_own(tmp_path: Path) -> None:
+    repo = make_checkout(tmp_path)
+    path, note = notebook_traces({TRACES_ENV: "traces"}, start=repo / "notebooks")
+    assert path == (repo / "traces").resolve()
+    assert f"read from the repository root {repo.resolve()}" in note and TRACES_ENV in note
+
+
+def test_a_notebook_reads_an_absolute_directory_as_given(tmp_path: Path) -> None:
     elsewhere = tmp_path / "mine"
     elsewhere.mkdir()
     (elsewhere / "x.jsonl").write_text("{}\n")
-    assert shared_traces({TRACES_ENV: str(elsewhere)}, start=tmp_path) == elsewhere.resolve()
+    path, note = notebook_traces({TRACES_ENV: str(elsewhere)}, start=make_checkout(tmp_path))
+    assert path == elsewhere.resolve() and "read as given" in note
 
 
-def test_missing_traces_name_the_variable_and_the_path(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"shared traces .*missing") as given:
-        shared_traces({TRACES_ENV: str(tmp_path / "missing")})
-    assert TRACES_ENV in str(given.value) and "from FUSION_TRACES_DIR" in str(given.value)
-    repo = make_checkout(tmp_path / "bare")
-    (tmp_path / "bare" / "shared" / "data" / "traces" / "t.jsonl").unlink()
-    with pytest.raises(FileNotFoundError) as default:
-        shared_traces({}, start=repo)
-    message = str(default.value)
-    assert str(SHARED_TRACES) in message and f"set {TRACES_ENV}" in message
-    assert str((tmp_path / "bare" / "shared" / "data" / "traces").resolve()) in message
+def test_a_directory_without_traces_names_the_variable_the_path_and_the_sample(tmp_path: Path) -> None:
+    repo = make_checkout(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"traces in FUSION_TRACES_DIR are missing") as given:
+        notebook_traces({TRACES_ENV: "nowhere"}, start=repo)
+    message = str(given.value)
+    assert str((repo / "nowhere").resolve()) in message and f"{TRACES_ENV}=nowhere" in message
+    assert SAMPLE_NAME in message and "unset it" in message
+    (repo / "traces" / "t.jsonl").unlink()  # a directory with no *.jsonl is as good as missing
+    with pytest.raises(FileNotFoundError):
+        notebook_traces({TRACES_ENV: "traces"}, start=repo)
 
 
 def test_the_sample_ships_inside_the_package_and_loads() -> None:
@@ -94,12 +97,6 @@ def test_the_default_traces_are_the_variables_else_the_sample(tmp_path: Path) ->
     assert default_traces({TRACES_ENV: " "})[0] == SAMPLE_TRACES  # blank: unset
     path, note = default_traces({TRACES_ENV: str(tmp_path)})
     assert path == tmp_path and TRACES_ENV in note
-
-
-def test_missing_shared_traces_point_at_the_sample(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError) as given:
-        shared_traces({TRACES_ENV: str(tmp_path / "missing")})
-    assert SAMPLE_NAME in str(given.value)
 
 
 def tool_call(call_id: str) -> dict[str, object]:
