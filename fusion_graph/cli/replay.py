@@ -160,8 +160,13 @@ def replay(
         ),
     ] = None,
     plot_limit: Annotated[
-        int, typer.Option(help="Trajectories drawn by --plot (more than 16: a summary figure).", min=1)
-    ] = 8,
+        int | None,
+        typer.Option(
+            help="Draw only the first N trajectories (default: all; more than 16 make a summary figure).",
+            min=1,
+            show_default=False,
+        ),
+    ] = None,
     turn_budget: TurnBudgetOpt = None,
     thread_budget: ThreadBudgetOpt = None,
     trouble_signals: TroubleOpt = None,
@@ -205,7 +210,7 @@ def replay(
     result = summarize(replays, prices)
     if plot is not None:
         from fusion_graph.errors import PlotUnavailable
-        from fusion_graph.replay.plot import MAX_TIMELINES, replay_figure
+        from fusion_graph.replay.plot import replay_figure
 
         try:
             replay_figure(replays, run_context, limit=plot_limit, path=plot)
@@ -239,6 +244,16 @@ def replay(
         console.print(resynthesis_sentence(result), highlight=False, soft_wrap=True)
     console.print(f"note: {result['note']}", highlight=False, soft_wrap=True)
     if plot is not None:
-        shown = min(plot_limit, len(replays))
-        what = "timelines" if shown <= MAX_TIMELINES else f"summary of {shown} trajectories"
-        console.print(f"{what} written to {plot}", highlight=False, soft_wrap=True)
+        console.print(
+            f"{plot_words(len(replays), plot_limit)} written to {plot}", highlight=False, soft_wrap=True
+        )
+
+
+def plot_words(count: int, limit: int | None) -> str:
+    """What ``--plot`` drew, in the words the figure's title uses: timelines or a summary, and of how many."""
+    from fusion_graph.replay.plot import MAX_TIMELINES
+
+    drawn = count if limit is None else min(limit, count)
+    what = f"timelines of {drawn}" if drawn <= MAX_TIMELINES else f"a summary of {drawn}"
+    left_out = f" (the first {drawn} of {count}: --plot-limit {limit})" if drawn < count else ""
+    return f"{what} trajectories{left_out}"

@@ -201,12 +201,22 @@ def share_line(replays: Sequence[ReplayedTrajectory]) -> str:
     )
 
 
+def title_counts(drawn: Sequence[ReplayedTrajectory], run: Sequence[ReplayedTrajectory] | None) -> str:
+    """A figure's share line, counted over the whole ``run`` (as its table is), naming what was left out."""
+    whole = list(run) if run is not None else list(drawn)
+    line = share_line(whole)
+    if len(drawn) < len(whole):
+        line += f"; drawn: the first {len(drawn)} of {len(whole)} trajectories"
+    return line
+
+
 def timelines(
     replays: Sequence[ReplayedTrajectory],
     context: FusionContext,
     *,
     limit: int = 8,
     path: Path | None = None,
+    run: Sequence[ReplayedTrajectory] | None = None,
 ) -> Figure:
     """A grid of panels (up to ``MAX_COLUMNS`` wide), one per trajectory: each step's score against the band.
 
@@ -218,8 +228,10 @@ def timelines(
     without the trouble terms to its score, squares with a red edge are steps the
     escalation latch held on cloud, and green ticks on the axis mark progress
     events (which release it). The legend names every mark drawn; the title gives
-    the dial (pace included) and both shares. For more than ``MAX_TIMELINES``
-    trajectories see ``replay_figure``.
+    the dial (pace included) and both shares, counted over ``run`` (the whole
+    replay the panels come from; default the panels' own), so they match the
+    table printed beside it. For more than ``MAX_TIMELINES`` trajectories see
+    ``replay_figure``.
     """
     shown = list(replays)[:limit]
     if not shown:
@@ -228,6 +240,8 @@ def timelines(
     rows = math.ceil(len(shown) / columns)
     width, height = PANEL_SIZE
     figure = _figure(rows, columns, (width * columns + 0.4, height * rows + 1.5))
+    from matplotlib.ticker import MaxNLocator  # importable once _figure found matplotlib
+
     base = base_threshold(context)
     calibrated = context.score_quantiles is not None
     used: set[str] = set()
@@ -277,6 +291,7 @@ def timelines(
         axes.set_xlabel("step of the trajectory", fontsize=7)
         axes.tick_params(labelsize=7)
         axes.set_xlim(-0.8, max(len(replay.steps) - 0.2, 1.0))
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     for axes in figure.axes[len(shown) :]:
         axes.set_axis_off()
     extras: list[tuple[str, str]] = []
@@ -292,7 +307,8 @@ def timelines(
         extras.append(("progress", "progress event (releases the latch)"))
     _legend(figure, sorted(used), extras, columns=min(4, 2 * columns))
     figure.suptitle(
-        f"{dial_label(context)}\n" + "\n".join(textwrap.wrap(share_line(shown), 60 * columns)), fontsize=9
+        f"{dial_label(context)}\n" + "\n".join(textwrap.wrap(title_counts(shown, run), 60 * columns)),
+        fontsize=9,
     )
     return _save(figure, path)
 
@@ -302,6 +318,7 @@ def summary(
     context: FusionContext,
     *,
     path: Path | None = None,
+    run: Sequence[ReplayedTrajectory] | None = None,
 ) -> Figure:
     """One figure for many trajectories: the share by ``cloud_share``, and continuation scores by leg.
 
@@ -310,7 +327,8 @@ def summary(
     routed as the graph routes (``shares.route_scores``), with the plans'
     floor and this run's ``cloud_share`` marked. Right: a histogram of the
     continuation steps' scores (points under a calibrated table) stacked by mark
-    (paced steps hatched), against the ``T ± h`` band.
+    (paced steps hatched), against the ``T ± h`` band. The title counts over
+    ``run``, as ``timelines`` does.
     """
     shown = list(replays)
     if not shown:
@@ -359,7 +377,7 @@ def summary(
     scores_axes.legend(fontsize=7)
     figure.suptitle(
         f"{len(shown)} trajectories, {dial_label(context)}\n"
-        + "\n".join(textwrap.wrap(share_line(shown), 150)),
+        + "\n".join(textwrap.wrap(title_counts(shown, run), 150)),
         fontsize=9,
     )
     return _save(figure, path)
@@ -400,14 +418,18 @@ def replay_figure(
     replays: Sequence[ReplayedTrajectory],
     context: FusionContext,
     *,
-    limit: int = 8,
+    limit: int | None = None,
     path: Path | None = None,
 ) -> Figure:
-    """``replay --plot``: timelines of the first ``limit`` trajectories, or a ``summary`` past 16."""
+    """``replay --plot``: timelines of every trajectory (the first ``limit``), or a ``summary`` past 16.
+
+    The title counts the whole replay, like the table, and says how many were
+    drawn when ``limit`` left some out: nothing is dropped without a word.
+    """
     shown = list(replays)[:limit]
     if len(shown) > MAX_TIMELINES:
-        return summary(shown, context, path=path)
-    return timelines(shown, context, limit=limit, path=path)
+        return summary(shown, context, path=path, run=replays)
+    return timelines(shown, context, limit=len(shown), path=path, run=replays)
 
 
 # -- calibration curves ---------------------------------------------------------------

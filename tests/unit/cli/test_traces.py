@@ -148,6 +148,25 @@ def test_replay_plot_writes_a_png(tmp_path: Path) -> None:
     assert target.stat().st_size > 5000
 
 
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ([], "a summary of 20 trajectories written to"),
+        (["--plot-limit", "3"], "timelines of 3 trajectories (the first 3 of 20: --plot-limit 3) written to"),
+        (["--plot-limit", "16"], "timelines of 16 trajectories (the first 16 of 20: --plot-limit 16)"),
+    ],
+)
+def test_replay_plot_says_what_it_drew_and_what_it_left_out(
+    tmp_path: Path, extra: list[str], said: str
+) -> None:
+    traces = write_varied_traces(tmp_path / "varied.jsonl", count=20)
+    target = tmp_path / "plot.png"
+    result = runner.invoke(app, ["replay", str(traces), "--plot", str(target), *extra])
+    assert result.exit_code == 0, result.output
+    assert said in " ".join(result.stdout.split())
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_replay_of_a_missing_path_fails_with_the_path(tmp_path: Path) -> None:
     result = runner.invoke(app, ["replay", str(tmp_path / "nowhere")])
     assert result.exit_code == 2

@@ -264,3 +264,51 @@ def test_the_calibration_curve_shows_both_shares(trajectories: list[RecordedTraj
     assert PLANS_NOTE in flat(figure.get_suptitle())
     width, height = png_size(figure)
     assert width < 1600 and height < 700
+
+
+# --------------------------------------------------------------------------- counts
+
+
+@pytest.mark.parametrize("limit", [None, 5, 40])
+def test_the_title_counts_what_the_table_counts_and_names_what_was_left_out(
+    trajectories: list[RecordedTrajectory], limit: int | None
+) -> None:
+    from fusion_graph.replay.summary import summarize
+    from fusion_graph.replay.traces import step_prices
+    from fusion_graph.settings import FusionSettings
+
+    context = FusionContext(cloud_share=60, conversation_max_tokens=4096)
+    replays = [replay_trajectory(t, context) for t in trajectories[:12]]
+    table = summarize(replays, step_prices(FusionSettings()))
+    title = flat(replay_figure(replays, context, limit=limit).get_suptitle())
+    assert f"({table['cloud_steps']}/{table['steps']})" in title
+    assert f"({table['continuation_cloud_steps']}/{table['continuation_steps']})" in title
+    if limit is not None and limit < len(replays):
+        assert f"drawn: the first {limit} of 12 trajectories" in title
+    else:
+        assert "drawn:" not in title
+
+
+def test_every_trajectory_is_drawn_unless_a_limit_is_given(trajectories: list[RecordedTrajectory]) -> None:
+    context = FusionContext(cloud_share=30, conversation_max_tokens=4096)
+    replays = [replay_trajectory(t, context) for t in trajectories[:12]]
+    assert len([a for a in replay_figure(replays, context).axes if a.axison]) == 12
+    assert len([a for a in replay_figure(replays, context, limit=3).axes if a.axison]) == 3
+
+
+def test_a_two_step_timeline_has_whole_step_ticks(tmp_path: Path) -> None:
+    messages = [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call("c1")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "assistant", "content": "done"},
+    ]
+    (tmp_path / "two.jsonl").write_text(json.dumps({"id": "two", "messages": messages}) + "\n")
+    (short,) = load_trajectories([tmp_path / "two.jsonl"])
+    context = FusionContext(cloud_share=30, conversation_max_tokens=4096)
+    replay = replay_trajectory(short, context)
+    assert len(replay.steps) == 2
+    figure = timelines([replay], context)
+    figure.canvas.draw()
+    ticks = [float(t) for t in figure.axes[0].get_xticks()]
+    assert ticks and all(t == int(t) for t in ticks), ticks
