@@ -23,7 +23,7 @@ from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
 from langgraph.types import Send
 
-from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.context import FusionContext, context_defaults, ensure_context
 from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.nodes import (
@@ -107,10 +107,15 @@ def build_graph(
         memory_jobs: Structured memory jobs run after each reply (needs a store).
         settings: The operator's settings (endpoints, keys, workspace, prices,
             timeouts); ``None`` reads ``FUSION_*`` variables (and ``.env``) now.
+            The run context's ``FUSION_<FIELD>`` defaults are read now too.
 
     Returns:
         The compiled graph; runs on one ``thread_id`` in this process queue behind each other.
+
+    Raises:
+        ContextError: A run-context default in the environment is invalid (named).
     """
+    run_defaults = context_defaults()  # FUSION_<FIELD> run defaults, read now as the settings are
     if resolver is None:
         resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain, settings=settings)
     elif cloud_model is not None or local_model is not None or chain is not None or settings is not None:
@@ -148,7 +153,8 @@ def build_graph(
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)
     builder.add_edge("memory", END)
-    return serialised(builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME), memory_runs)
+    compiled = builder.compile(checkpointer=checkpointer, store=store, name=GRAPH_NAME)
+    return serialised(compiled, memory_runs, run_defaults)
 
 
 #: The default graph for ``langgraph dev`` / LangGraph server (which bring their own checkpointer).

@@ -10,14 +10,18 @@ system prompt) and four fields that may only *narrow* the operator's settings
 ``FusionSettings``. Unknown keys, operator settings and wrong types are
 refused with a message naming the field.
 
-Each default can be set by the operator with ``FUSION_<FIELD_NAME>``; it is
-read once, at import, so the schema Studio shows carries the defaults in force.
+Each default can be set by the operator with ``FUSION_<FIELD_NAME>``. Those
+are read when the graph is built (``context_defaults``), like the operator
+settings, not at import: a default set after the package was imported counts,
+a bad one is refused there naming its variable, and the schema the built graph
+serves to Studio carries the defaults in force.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
@@ -65,26 +69,13 @@ def _blank_is_none(value: Any) -> Any:
     return None if isinstance(value, str) and not value.strip() else value
 
 
-#: Built-in defaults (before environment overrides), for docs and tests.
+#: Built-in defaults (before the operator's ``FUSION_*`` defaults), by environment key, for docs and tests.
 DEFAULTS: dict[str, Any] = {}
-
-
-def _env_default(name: str, default: Any) -> Any:
-    """``FUSION_<NAME>`` as the field's default when set (JSON-decoded, except for text fields)."""
-    raw = os.environ.get(ENV_PREFIX + name.upper())
-    if raw is None:
-        return default
-    if isinstance(default, str):
-        return raw
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw  # pydantic's error names the field and the valid values
 
 
 def _field(name: str, default: Any, description: str) -> Any:
     DEFAULTS[name] = default
-    return Field(default=_env_default(name, default), description=description, validate_default=True)
+    return Field(default=default, description=description, validate_default=True)
 
 
 @dataclass(kw_only=True, config={"validate_assignment": True, "extra": "forbid"})
@@ -293,20 +284,46 @@ _NARROWING = {
 ENV_KEYS = {name: _NARROWING.get(name, name) for name in RUN_FIELDS}
 
 
-def _check_env_defaults() -> None:
-    """Fail at import, naming the variable, when a ``FUSION_*`` default of the context is invalid."""
+def _env_value(raw: str, default: Any) -> Any:
+    """A ``FUSION_*`` default's text as the field takes it: JSON-decoded, except for text fields."""
+    if isinstance(default, str):
+        return raw
     try:
-        FusionContext()
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw  # the field's own check names what it takes
+
+
+def context_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The operator's run defaults: every ``FUSION_<FIELD>`` that is set (``environ``, else now's), checked.
+
+    ``build_graph`` reads them once, as it reads the operator settings; each CLI
+    command reads them when it starts. A run's own context overrides them
+    field by field.
+
+    Raises:
+        ContextError: One is invalid; the message names each bad variable, its
+            field and what it takes.
+    """
+    source = os.environ if environ is None else environ
+    given = {
+        name: _env_value(raw, DEFAULTS[key])
+        for name, key in ENV_KEYS.items()
+        if (raw := source.get(ENV_PREFIX + key.upper())) is not None
+    }
+    if not given:
+        return {}
+    try:
+        checked = FusionContext(**given)
     except ValidationError as error:
         bad = "; ".join(
-            f"{ENV_PREFIX}{ENV_KEYS[str(e['loc'][0])].upper()} ({e['loc'][0]}): {e['msg']}"
+            f"{ENV_PREFIX}{ENV_KEYS[str(e['loc'][0])].upper()} ({e['loc'][0]}): "
+            f"{e['msg'].removeprefix('Value error, ')}"
             for e in error.errors()
             if e["loc"] and str(e["loc"][0]) in ENV_KEYS
         )
         raise ContextError(f"invalid run-context default from the environment: {bad or error}") from None
-
-
-_check_env_defaults()
+    return {name: getattr(checked, name) for name in given}
 
 
 def context_fields() -> list[tuple[str, str, Any, str]]:
@@ -325,24 +342,32 @@ def context_fields() -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-def ensure_context(context: Any) -> FusionContext:
-    """The run's context, validated, with defaults when the caller passed none.
+def ensure_context(context: Any, defaults: Mapping[str, Any] | None = None) -> FusionContext:
+    """The run's context, validated, over the operator's run defaults.
+
+    Args:
+        context: What the caller passed: ``None``, a mapping of run fields, or a
+            ``FusionContext`` (taken as it is).
+        defaults: The operator's run defaults (``context_defaults``); ``None``
+            reads them from the environment now.
 
     Raises:
         ContextError: The context is not a mapping of run fields, names an
-            unknown field or an operator setting, or holds a wrong value.
+            unknown field or an operator setting, or holds a wrong value; or
+            a default from the environment is invalid.
     """
-    if context is None:
-        return FusionContext()
     if isinstance(context, FusionContext):
         return context
+    base = context_defaults() if defaults is None else defaults
+    if context is None:
+        return FusionContext(**base)
     if not isinstance(context, dict):
         raise ContextError(
             f"the run context must be an object of run settings (FusionContext fields), "
             f"got {type(context).__name__}: {context!r:.80}"
         )
     try:
-        return FusionContext(**context)
+        return FusionContext(**{**base, **context})
     except ValidationError as error:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'context'}: {e['msg'].removeprefix('Value error, ')}"

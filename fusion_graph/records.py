@@ -238,7 +238,8 @@ def totals_of(record: RouteRecord) -> dict[str, Any]:
     """One record's contribution to the thread's running ``totals``."""
     return {
         "cost_usd": record["cost_usd"] or 0.0,
-        "unpriced": 1 if record["cost_usd"] is None else 0,
+        # Only an answer can lack a price: an inference nobody answered cost nothing.
+        "unpriced": 1 if record["cost_usd"] is None and record["provider"] is not None else 0,
         record["leg"]: {
             "inferences": 1,
             "prompt_tokens": record["prompt_tokens"] or 0,

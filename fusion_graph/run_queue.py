@@ -25,6 +25,7 @@ from langchain_core.messages import AIMessageChunk, BaseMessage, BaseMessageChun
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph.state import CompiledStateGraph
+from pydantic import TypeAdapter
 
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import InvalidInput, ThreadBusy
@@ -136,12 +137,30 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
 
     memory_runs: MemoryRuns
     """The graph's memory jobs (``fusion_graph.memory.sweep``/``drain(graph=...)`` use them)."""
+    run_defaults: dict[str, Any]
+    """The operator's run defaults (``FUSION_<FIELD>``), read when the graph was built."""
 
-    def __init__(self, *args: Any, memory_runs: MemoryRuns | None = None, **kwargs: Any) -> None:
-        """As ``CompiledStateGraph``; ``copy()`` (the server copies graphs) keeps ``memory_runs``."""
+    def __init__(
+        self,
+        *args: Any,
+        memory_runs: MemoryRuns | None = None,
+        run_defaults: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """As ``CompiledStateGraph``; ``copy()`` (the server copies graphs) keeps both of its own."""
         super().__init__(*args, **kwargs)
         if memory_runs is not None:
             self.memory_runs = memory_runs
+        if run_defaults is not None:
+            self.run_defaults = run_defaults
+
+    def get_context_jsonschema(self) -> dict[str, Any] | None:
+        """The context schema Studio renders, with the operator's run defaults as the defaults shown."""
+        schema = super().get_context_jsonschema()
+        if schema is not None:
+            for name, value in self.run_defaults.items():
+                schema["properties"][name]["default"] = TypeAdapter(Any).dump_python(value, mode="json")
+        return schema
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         """Sync ``invoke`` (and so ``batch``): ``ainvoke`` on the package's own event loop thread."""
@@ -173,13 +192,13 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         """``CompiledStateGraph.astream`` (and so ``ainvoke``), one run per thread at a time."""
         check_input(input, self.memory_runs.resolver.settings.max_input_chars)
         check_identity(config)
-        if kwargs.get("context") is not None:
-            kwargs["context"] = ensure_context(kwargs["context"])  # a clear error before anything runs
+        # Over the operator's defaults, checked once here: a clear error before anything runs, and
+        # every node reads the same FusionContext.
+        run_context = kwargs["context"] = ensure_context(kwargs.get("context"), self.run_defaults)
         if input is not None:
             # Refused for its context (an operator bound, a provider that cannot be built, a run root
             # reached through a symlink) before the input is written: a refused run leaves the thread
             # as it was, with no orphaned message, and no model is asked.
-            run_context = ensure_context(kwargs.get("context"))
             await self.memory_runs.resolver.chain(run_context)
             if run_context.workspace_root is not None:
                 operator_root = self.memory_runs.resolver.settings.workspace_root
@@ -312,9 +331,12 @@ async def _scrubbed(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 def serialised(
-    compiled: CompiledStateGraph[State, FusionContext, InputState, State], memory_runs: MemoryRuns
+    compiled: CompiledStateGraph[State, FusionContext, InputState, State],
+    memory_runs: MemoryRuns,
+    run_defaults: dict[str, Any],
 ) -> FusionGraph:
-    """The compiled graph as a ``FusionGraph`` (same object, with per-thread queuing and its memory runs)."""
+    """The compiled graph as a ``FusionGraph``: the same object, with thread queues, memory runs, defaults."""
     graph = reclass(compiled, FusionGraph)
     graph.memory_runs = memory_runs
+    graph.run_defaults = run_defaults
     return graph

@@ -53,14 +53,16 @@ def _options(
 ) -> None:
     """Options before the command (``--version``); a bad ``FUSION_*`` run default stops every command.
 
-    The run context's defaults from the environment are checked when its module loads:
-    an invalid one is one line naming the variable (exit 2), not a traceback.
+    The run context's defaults from the environment are checked before any
+    command runs: an invalid one is one line naming the variable (exit 2), not a
+    traceback.
     """
     from fusion_graph.cli.common import fail
+    from fusion_graph.context import context_defaults
     from fusion_graph.errors import ContextError
 
     try:
-        import fusion_graph.context  # noqa: F401 - loading it checks the environment's defaults
+        context_defaults()
     except ContextError as error:
         raise fail(str(error)) from None
 

@@ -91,14 +91,14 @@ def local_start_line(context: FusionContext, settings: FusionSettings, slots: in
     from fusion_graph.providers.llama_server import start_command
 
     prompt = first_prompt_tokens(context, settings)
-    return start_command(context.max_completion_tokens, prompt_tokens=prompt, slots=slots)
+    return start_command(
+        context.max_completion_tokens, prompt_tokens=prompt, slots=slots, base_url=settings.local_base_url
+    )
 
 
 def unreachable_reason(error: LlamaServerUnavailable) -> str:
     """Why llama-server could not be read, without the generic start hint (callers give their own)."""
-    from fusion_graph.providers.llama_server import START_HINT
-
-    return scrub(str(error).removesuffix("; " + START_HINT))
+    return scrub(str(error).split("; start one with: ", 1)[0])
 
 
 async def check_local_server(

@@ -65,6 +65,7 @@ class PricedCosts:
         repriced: Inferences with no cost when they ran, priced now from their tokens.
         unpriced: Inferences still without a price: left out of both.
         unpriced_providers: The providers that answered those.
+        unanswered: Inferences no provider answered: nothing to price, no cost.
     """
 
     cost_usd: float = 0.0
@@ -73,6 +74,7 @@ class PricedCosts:
     repriced: int = 0
     unpriced: int = 0
     unpriced_providers: tuple[str, ...] = ()
+    unanswered: int = 0
 
     @property
     def savings(self) -> tuple[float | None, float | None]:
@@ -93,9 +95,12 @@ def priced_costs(records: Sequence[RouteRecord], cloud: TokenPrices | None, clou
     from fusion_graph.providers.pricing import answering_leg
 
     cost, all_cloud = 0.0, 0.0
-    priced = repriced = 0
+    priced = repriced = unanswered = 0
     unpriced: list[str] = []
     for record in records:
+        if record["provider"] is None:  # no provider answered: it cost nothing, there is no price to find
+            unanswered += 1
+            continue
         prompt, completion = record["prompt_tokens"], record["completion_tokens"]
         tokens = None if prompt is None or completion is None else (prompt, completion)
         cached = min(record["cached_tokens"] or 0, prompt or 0)
@@ -105,7 +110,7 @@ def priced_costs(records: Sequence[RouteRecord], cloud: TokenPrices | None, clou
             spent = cloud.cost(tokens[0], cached, tokens[1])
             repriced += 1
         if spent is None or (leg == "local" and tokens is None):
-            unpriced.append(record["provider"] or f"{record['leg']}:?")
+            unpriced.append(record["provider"])
             continue
         priced += 1
         cost += spent
@@ -120,6 +125,7 @@ def priced_costs(records: Sequence[RouteRecord], cloud: TokenPrices | None, clou
         repriced=repriced,
         unpriced=len(unpriced),
         unpriced_providers=tuple(sorted(set(unpriced))),
+        unanswered=unanswered,
     )
 
 
@@ -145,4 +151,6 @@ def price_note(
             "cost, all-cloud and savings leave them out; price them with FUSION_PRICE_OVERRIDES "
             "(USD per million tokens, by model name or provider id)"
         )
+    if costs.unanswered:
+        notes.append(f"{costs.unanswered} inference(s) got no answer from any provider: they cost nothing")
     return "; ".join(notes) or None

@@ -31,7 +31,7 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.prices import PricedCosts, cloud_prices, price_note, priced_costs
-from fusion_graph.cli.run import DEFAULT_DB
+from fusion_graph.cli.stores import DEFAULT_DB
 from fusion_graph.cli.tables import add_number_columns, compact_table
 from fusion_graph.records import is_step, kept_local_by_budget
 
@@ -184,6 +184,7 @@ def thread_summary(
         "repriced": costs.repriced,
         "unpriced": costs.unpriced,
         "unpriced_providers": list(costs.unpriced_providers),
+        "unanswered": costs.unanswered,
         "all_cloud_cost_usd": costs.all_cloud_usd,
         "savings_usd": saved,
         "savings_fraction": fraction,

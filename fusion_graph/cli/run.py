@@ -48,7 +48,7 @@ from fusion_graph.cli.common import (
 )
 from fusion_graph.cli.live import StepTable
 from fusion_graph.cli.memory_wait import LEFT_PENDING, WaitTicker, memory_wait_limit, wait_for_memory_jobs
-from fusion_graph.cli.stores import check_target, no_thread, thread_saved
+from fusion_graph.cli.stores import DEFAULT_DB, check_target, no_thread, thread_saved
 from fusion_graph.errors import RunError
 
 if TYPE_CHECKING:
@@ -71,7 +71,6 @@ __all__ = [  # the checks and the live table are part of `run` (re-exported)
     "run_task",
 ]
 
-DEFAULT_DB = Path(".fusion-graph") / "threads.sqlite"
 
 #: ``(cloud, local)`` models of a run, or ``None`` to let the graph build them from the settings.
 ModelFactory: TypeAlias = (
@@ -403,7 +402,8 @@ def run(
     where = "Postgres" if postgres else str(db)
     try:
         with storage("--postgres" if postgres else f"--db {db}"):
-            check_target(db, postgres, thread, new_thread)  # before LangGraph loads or a server is asked
+            # Before LangGraph loads or a server is asked; a thread begun from the workspace is found there.
+            check_target(db, postgres, thread, new_thread, elsewhere=[workspace / DEFAULT_DB])
             result = asyncio.run(_run(task, run_context, settings, {**options, "details": details}, as_json))
     except KeyboardInterrupt:
         raise interrupted(name, db, postgres) from None

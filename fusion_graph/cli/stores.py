@@ -13,7 +13,7 @@ LangGraph or calls a server.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from langgraph.store.base import BaseStore
 
 POSTGRES_EXTRA = "pip install 'langgraph-checkpoint-postgres' 'psycopg[binary]'"
+#: Where ``run`` keeps threads unless ``--db`` says otherwise: under the directory it runs in.
+DEFAULT_DB = Path(".fusion-graph") / "threads.sqlite"
 
 
 def store_path(db: Path) -> Path:
@@ -55,7 +57,28 @@ def sqlite_has_thread(db: Path, thread: str) -> bool:
         return found.fetchone() is not None
 
 
-def check_target(db: Path, postgres: str | None, thread: str | None, new_thread: bool) -> None:
+def missing_thread(thread: str, db: Path, elsewhere: Sequence[Path] = ()) -> RunError:
+    """A ``--thread`` not in ``db``: where it looked and why, and where it is if one of ``elsewhere`` has it.
+
+    Threads live in ``--db`` (default ``.fusion-graph/threads.sqlite`` under the
+    directory the command runs in, whatever ``--workspace`` says), so a thread
+    begun in another directory is not found from here.
+    """
+    looked = f"thread {thread!r} has no checkpoint in {db.resolve()}"
+    why = "" if db != DEFAULT_DB else " (--db's default: .fusion-graph/threads.sqlite under this directory)"
+    others = [other for other in elsewhere if other.resolve() != db.resolve()]
+    found = next((other for other in others if sqlite_has_thread(other, thread)), None)
+    if found is not None:
+        return RunError(f"{looked}{why}; it is in {found.resolve()}: add --db {found.resolve()}")
+    return RunError(
+        f"{looked}{why}; if it was run from another directory, add --db DIR/.fusion-graph/threads.sqlite, "
+        "or --new-thread to start it here"
+    )
+
+
+def check_target(
+    db: Path, postgres: str | None, thread: str | None, new_thread: bool, elsewhere: Sequence[Path] = ()
+) -> None:
     """Refuse, before anything runs, a store ``open_saver`` could not use or a ``--thread`` it lacks.
 
     Postgres is only checked for its URL's shape here (its threads when connected).
@@ -75,7 +98,7 @@ def check_target(db: Path, postgres: str | None, thread: str | None, new_thread:
         raise NotADirectoryError(f"{above} is not a directory")
     found = sqlite_has_thread(db, thread or "")
     if thread is not None and not new_thread and not found:
-        raise no_thread(thread, f"--db {db}")
+        raise missing_thread(thread, db, elsewhere)
 
 
 def _check_postgres(url: str) -> None:

@@ -45,19 +45,41 @@ def slot_window_for(max_completion_tokens: int, prompt_tokens: int = 0) -> int:
     return -(-need // 1024) * 1024
 
 
+#: What a start line gives each slot when the run needs less: room for an agent loop's tool output to
+#: grow before context pressure sends its steps to cloud (the README's and the docs' command).
+RECOMMENDED_SLOT_WINDOW = 32768
+#: Where llama-server listens when its URL names no port (its own default).
+DEFAULT_PORT = 8080
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 def start_command(
-    max_completion_tokens: int = DEFAULTS["max_completion_tokens"], *, prompt_tokens: int = 0, slots: int = 4
+    max_completion_tokens: int = DEFAULTS["max_completion_tokens"],
+    *,
+    prompt_tokens: int = 0,
+    slots: int = 4,
+    base_url: str = "http://127.0.0.1:8080/v1",
 ) -> str:
-    """The llama-server command line fusion-graph expects: ``slots`` slots of ``slot_window_for`` tokens."""
-    window = slot_window_for(max_completion_tokens, prompt_tokens)
-    return f"llama-server -m MODEL.gguf --jinja -np {slots} -c {slots * window} --port 8080"
+    """The llama-server command line fusion-graph expects, listening where ``base_url`` points.
+
+    ``slots`` slots of ``RECOMMENDED_SLOT_WINDOW`` tokens, more when the run
+    needs more (``slot_window_for``); the port is the URL's, and a host other
+    than loopback adds ``--host 0.0.0.0`` so the graph's machine can reach it.
+    """
+    window = max(RECOMMENDED_SLOT_WINDOW, slot_window_for(max_completion_tokens, prompt_tokens))
+    url = httpx.URL(base_url)
+    port = url.port or DEFAULT_PORT
+    host = "" if url.host in LOOPBACK else " --host 0.0.0.0"
+    return f"llama-server -m MODEL.gguf --jinja -np {slots} -c {slots * window}{host} --port {port}"
 
 
-#: How to start llama-server, said wherever it cannot be reached (the CLI sizes it to the run).
-START_HINT = (
-    f"start one with: {start_command()} "
-    "(explicit -np keeps one KV cache per slot; context per slot is -c / -np)"
-)
+#: How the start hint ends, explaining the flags (``start_hint``).
+START_NOTE = "(explicit -np keeps one KV cache per slot; context per slot is -c / -np)"
+
+
+def start_hint(base_url: str) -> str:
+    """How to start llama-server where ``base_url`` points, said wherever it cannot be reached."""
+    return f"start one with: {start_command(base_url=base_url)} {START_NOTE}"
 
 
 def server_root(base_url: str) -> str:
@@ -115,7 +137,7 @@ async def fetch_props(base_url: str, *, timeout: float = 5.0) -> ServerProps:
         async with client:
             response = await client.get(url)
     except httpx.HTTPError as error:
-        raise LlamaServerUnavailable(f"cannot read {url} ({error!r}); {START_HINT}") from error
+        raise LlamaServerUnavailable(f"cannot read {url} ({error!r}); {start_hint(base_url)}") from error
     if response.status_code >= 500:
         raise LlamaServerUnavailable(f"{url} answered {response.status_code}; is llama-server still loading?")
     try:

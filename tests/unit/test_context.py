@@ -75,19 +75,59 @@ def run_python(code: str, **env: str) -> str:
     return done.stdout.strip() + done.stderr.strip()
 
 
-def test_env_defaults_are_read_at_import_and_shown_in_the_schema() -> None:
-    code = (
-        "from fusion_graph.context import FusionContext; from pydantic import TypeAdapter; "
-        "props = TypeAdapter(FusionContext).json_schema()['properties']; c = FusionContext(); "
-        "print(c.cloud_share, c.mode, c.max_steps, props['cloud_share']['default'], props['mode']['default'])"
+def test_importing_never_reads_the_run_defaults() -> None:
+    code = "from fusion_graph.context import FusionContext; print(FusionContext().cloud_share)"
+    assert run_python(code, FUSION_CLOUD_SHARE="abc") == "30"  # a bad one no longer breaks the import
+
+
+def test_run_defaults_set_after_import_are_read_when_the_graph_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FUSION_CLOUD_SHARE", "55")
+    monkeypatch.setenv("FUSION_MODE", "local")
+    monkeypatch.setenv("FUSION_MAX_STEPS", "7")
+    graph = build_graph(cloud_model=scripted("cloud", []), local_model=scripted("local", []))
+    assert graph.run_defaults == {"cloud_share": 55, "mode": "local", "max_steps": 7}
+    schema = graph.get_context_jsonschema()
+    assert schema is not None
+    shown = {name: schema["properties"][name]["default"] for name in ("cloud_share", "mode", "max_steps")}
+    assert shown == {"cloud_share": 55, "mode": "local", "max_steps": 7}  # what Studio renders
+    # A built graph keeps what it read, as it keeps its operator settings.
+    monkeypatch.setenv("FUSION_CLOUD_SHARE", "10")
+    assert graph.run_defaults["cloud_share"] == 55
+
+
+async def test_a_run_takes_the_defaults_and_its_own_context_overrides_them_field_by_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FUSION_MODE", "local")
+    monkeypatch.setenv("FUSION_CLOUD_SHARE", "55")
+    cloud, local = scripted("cloud", ["from cloud"] * 2), scripted("local", ["from local"] * 2)
+    graph = build_graph(cloud_model=cloud, local_model=local)
+    plain = await graph.ainvoke(user_input("hi"))
+    assert [r["leg"] for r in plain["route_log"]] == ["local"] and cloud.prompts == []
+    mixed = await graph.ainvoke(user_input("hi"), context={"mode": "cloud"})  # type: ignore[call-overload]
+    assert [r["leg"] for r in mixed["route_log"]] == ["cloud"]
+    assert ensure_context({"hysteresis": 4}, graph.run_defaults) == FusionContext(
+        mode="local", cloud_share=55, hysteresis=4
     )
-    shown = run_python(code, FUSION_CLOUD_SHARE="55", FUSION_MODE="local", FUSION_MAX_STEPS="7")
-    assert shown == "55 local 7 55 local"
 
 
-def test_an_invalid_env_default_names_the_variable_and_range() -> None:
-    shown = run_python("import fusion_graph.context", FUSION_CLOUD_SHARE="150")
-    assert "FUSION_CLOUD_SHARE (cloud_share)" in shown and "must be between 0 and 100" in shown
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("FUSION_CLOUD_SHARE", "abc", "valid integer"),
+        ("FUSION_CLOUD_SHARE", "150", "must be between 0 and 100"),
+        ("FUSION_MAX_STEPS", "0", "between 1 and 1000"),
+    ],
+)
+def test_a_bad_run_default_set_after_import_is_refused_when_the_graph_is_built(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, says: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    field = variable.removeprefix("FUSION_").lower()
+    with pytest.raises(ContextError, match=rf"{variable} \({field}\): .*{says}"):
+        build_graph(cloud_model=scripted("cloud", []), local_model=scripted("local", []))
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from fusion_graph.cli.doctor.rows import Check
+from fusion_graph.cli.stores import DEFAULT_DB
 from fusion_graph.redact import REDACTED, scrub
-
-#: ``fusion_graph.cli.run.DEFAULT_DB``, repeated so importing this command loads no LangGraph (a test
-#: checks they agree).
-DEFAULT_DB = Path(".fusion-graph") / "threads.sqlite"
 
 
 def _writable_dir(directory: Path) -> tuple[Path, bool]:

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from fusion_graph.cli.checks import first_prompt_tokens, key_variable, unknown_line, unknown_variables
 from fusion_graph.cli.common import build_context, build_settings, fail, stdout_console
-from fusion_graph.cli.doctor.checkpoints import DEFAULT_DB, postgres_check, shared_state_check, sqlite_check
+from fusion_graph.cli.doctor.checkpoints import postgres_check, shared_state_check, sqlite_check
 from fusion_graph.cli.doctor.cloud import (
     FoundKey,
     blank_key_check,
@@ -34,6 +34,7 @@ from fusion_graph.cli.doctor.gateway import pool_checks
 from fusion_graph.cli.doctor.llama import llama_checks
 from fusion_graph.cli.doctor.rows import Check, count
 from fusion_graph.cli.doctor.workspace import workspace_checks
+from fusion_graph.cli.stores import DEFAULT_DB
 from fusion_graph.redact import REDACTED
 
 if TYPE_CHECKING:

@@ -102,14 +102,14 @@ def server_checks(
     try:
         props = asyncio.run(fetch_props(settings.local_base_url, timeout=timeout))
     except LlamaServerUnavailable as error:
+        start = start_command(budget, prompt_tokens=prompt_tokens, base_url=settings.local_base_url)
         return [
             Check(
                 "llama-server",
                 "fail",
                 f"not reachable at {settings.local_base_url} ({unreachable_reason(error)})",
-                f"start it: {start_command(budget, prompt_tokens=prompt_tokens)} (explicit -np keeps one "
-                "KV cache per slot; context per slot is -c / -np), or point FUSION_LOCAL_BASE_URL at its "
-                "/v1 URL",
+                f"start it: {start} (explicit -np keeps one KV cache per slot; context per slot is "
+                "-c / -np), or point FUSION_LOCAL_BASE_URL at its /v1 URL",
             )
         ], None
     except NotLlamaServer as error:

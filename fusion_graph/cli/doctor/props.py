@@ -117,11 +117,10 @@ def window_check(
     assert effective is not None
     source = "FUSION_LOCAL_WINDOW_TOKENS" if configured else "n_ctx per slot"
     needed = slot_window_for(budget, prompt_tokens)
-    fix = (
-        f"give each slot at least {needed} tokens: "
-        f"{start_command(budget, prompt_tokens=prompt_tokens, slots=props.total_slots)} "
-        f"(per slot = -c / -np), {lower}"
+    start = start_command(
+        budget, prompt_tokens=prompt_tokens, slots=props.total_slots, base_url=settings.local_base_url
     )
+    fix = f"give each slot at least {needed} tokens: {start} (per slot = -c / -np), {lower}"
     answer = completion_budget(budget, effective)
     if answer < budget:
         return Check(

@@ -64,7 +64,7 @@ def test_each_shown_run_default_reads_back_as_the_default() -> None:
     assert {"FUSION_MODE", "FUSION_CLOUD_SHARE"} <= set(run)
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)} | run
     code = (
-        "from fusion_graph.context import DEFAULTS, ENV_KEYS, FusionContext; c = FusionContext(); "
+        "from fusion_graph.context import DEFAULTS, ENV_KEYS, ensure_context; c = ensure_context(None); "
         "print(all(getattr(c, n) == DEFAULTS[k] for n, k in ENV_KEYS.items()))"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -21,7 +21,6 @@ from typer.testing import Result
 
 import fusion_graph.cli.doctor.llama as module
 from fusion_graph.cli.doctor import Check, doctor
-from fusion_graph.cli.doctor.checkpoints import DEFAULT_DB as DOCTOR_DB
 from fusion_graph.cli.doctor.checkpoints import postgres_check, redact_url, sqlite_check
 from fusion_graph.cli.doctor.cloud import FoundKey, cloud_models_check
 from fusion_graph.cli.doctor.props import (
@@ -241,7 +240,7 @@ def test_props_of_a_well_started_server_pass() -> None:
 def test_window_under_twice_the_completion_budget_fails() -> None:
     check = window_check(props(4, 4096), FusionSettings(), 4096)
     assert check.status == "fail"
-    assert "4096" in check.detail and "8192" in check.fix and "-c 32768" in check.fix
+    assert "4096" in check.detail and "8192" in check.fix and "-c 131072" in check.fix
     assert window_check(props(4, 8192), FusionSettings(), 4096).status == "ok"
     assert window_check(props(4, None), FusionSettings(), 4096).status == "warn"
     too_big = window_check(props(4, 8192), FusionSettings(local_window_tokens=16384), 1024)
@@ -336,12 +335,6 @@ def test_postgres(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)
     missing = postgres_check(url, timeout=1)
     assert missing.status == "fail" and "psycopg" in missing.detail and "pip install" in missing.fix
-
-
-def test_default_db_is_the_run_commands() -> None:
-    from fusion_graph.cli.run import DEFAULT_DB
-
-    assert DOCTOR_DB == DEFAULT_DB
 
 
 def test_redact_url() -> None:

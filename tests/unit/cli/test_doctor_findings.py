@@ -20,14 +20,19 @@ from fusion_graph.cli.checks import first_prompt_tokens
 from fusion_graph.cli.doctor.cloud import FoundKey, cloud_completion_check, cloud_models_check
 from fusion_graph.cli.doctor.props import props_checks, template_check, window_check
 from fusion_graph.context import FusionContext
-from fusion_graph.providers.llama_server import ServerProps, slot_window_for
+from fusion_graph.providers.llama_server import (
+    RECOMMENDED_SLOT_WINDOW,
+    ServerProps,
+    slot_window_for,
+    start_command,
+)
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.fit import LinkRoom, fits
 from fusion_graph_testing import free_port
 from fusion_graph_testing.fake_openai import FakeOpenAI
 from tests.unit.cli.test_traces import runner
 
-START = re.compile(r"llama-server -m MODEL\.gguf --jinja -np (\d+) -c (\d+) --port 8080")
+START = re.compile(r"llama-server -m MODEL\.gguf --jinja -np (\d+) -c (\d+) --port (\d+)")
 KEY = FoundKey("OPENAI_API_KEY", "environment", True, "findings-key")
 
 
@@ -49,7 +54,8 @@ def checks_of(*args: str) -> dict[str, dict[str, str]]:
 def test_run_and_doctor_give_one_start_line_whose_slots_hold_the_first_prompt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
-    monkeypatch.setenv("FUSION_LOCAL_BASE_URL", f"http://127.0.0.1:{free_port()}/v1")
+    port = free_port()
+    monkeypatch.setenv("FUSION_LOCAL_BASE_URL", f"http://127.0.0.1:{port}/v1")
     context = json.dumps({"max_completion_tokens": budget})
     run = runner.invoke(app, ["run", "hi", "--workspace", str(tmp_path), "--context", context])
     assert run.exit_code == 2
@@ -59,12 +65,30 @@ def test_run_and_doctor_give_one_start_line_whose_slots_hold_the_first_prompt(
     assert doctor["status"] == "fail"
     in_run, in_doctor = START.search(said), START.search(doctor["fix"])
     assert in_run is not None and in_doctor is not None and in_run[0] == in_doctor[0]
-    slots, total = map(int, in_run.groups())
+    slots, total, listens = map(int, in_run.groups())
+    assert listens == port  # where FUSION_LOCAL_BASE_URL points, not llama-server's default
     window = total // slots
     prompt = first_prompt_tokens(FusionContext(max_completion_tokens=budget), FusionSettings())
-    assert window == slot_window_for(budget, prompt) >= 2 * budget
+    assert window == max(RECOMMENDED_SLOT_WINDOW, slot_window_for(budget, prompt)) >= 2 * budget
     # the first prompt fits beside the budget
     assert fits(LinkRoom("local:m", "local", window, prompt), budget)
+
+
+def test_the_start_line_listens_where_the_url_points() -> None:
+    assert start_command().endswith("-np 4 -c 131072 --port 8080")
+    assert start_command(base_url="http://127.0.0.1:8093/v1").endswith("--port 8093")
+    assert start_command(base_url="http://gpu-box:9000/v1").endswith("--host 0.0.0.0 --port 9000")
+    assert start_command(base_url="http://localhost/v1").endswith("--port 8080")
+    # More than the recommended window when the run needs it.
+    assert "-np 2 -c 131072 " in start_command(32768, slots=2)
+
+
+def test_the_docs_show_the_start_line_doctor_and_run_give() -> None:
+    root = Path(__file__).parents[3]
+    line = start_command()
+    for doc in ("README.md", "docs/deploying.md"):
+        shown = re.findall(r"llama-server -m MODEL\.gguf[^\n&`]*", (root / doc).read_text())
+        assert shown and all(found.strip() == line for found in shown), (doc, shown)
 
 
 # --------------------------------------------------------------------------- the slot window
@@ -76,7 +100,7 @@ def test_a_slot_window_failure_says_what_fails() -> None:
     # 512 tokens per slot (-c 2048 -np 4) and a 256-token budget: the first prompt does not fit.
     tiny = window_check(ServerProps(4, 512), settings, 256, prompt_tokens=prompt)
     assert tiny.status == "fail" and "no local step fits" in tiny.detail and f"about {prompt}" in tiny.detail
-    assert "-c 32768" in tiny.fix and "-c 2048" not in tiny.fix
+    assert "-c 131072" in tiny.fix and "-c 2048" not in tiny.fix
     # Under 2 x the budget: local answers are cut, a failure worded as one.
     half = window_check(ServerProps(4, 4096), settings, 4096, prompt_tokens=prompt)
     assert (
@@ -126,7 +150,8 @@ def web_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 def test_an_html_cloud_url_fails_as_not_an_api(web_page: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FUSION_LOCAL_BASE_URL", f"http://127.0.0.1:{free_port()}/v1")
+    port = free_port()
+    monkeypatch.setenv("FUSION_LOCAL_BASE_URL", f"http://127.0.0.1:{port}/v1")
     for args in ([], ["--live"]):
         result = runner.invoke(app, ["doctor", "--json", "--timeout", "2", *args])
         assert result.exit_code == 1

@@ -152,3 +152,19 @@ def test_doctor_warns_when_the_cloud_model_has_no_price(
         monkeypatch.setenv("FUSION_PRICE_OVERRIDES", json.dumps({"fake": [1.0, 2.0, 0.5]}))
         known = price_row()
         assert known["status"] == "ok" and "$1 in, $2 out, $0.5 cached" in known["detail"]
+
+
+def test_an_inference_nobody_answered_is_not_unpriced_and_no_price_is_suggested() -> None:
+    from fusion_graph.cli.prices import price_note
+    from fusion_graph.records import totals_of, unanswered_record
+
+    cloud = TokenPrices(1.0, 2.0, 0.5)
+    nobody = unanswered_record(turn=0, step=1, kind="step", decision=RouteDecision("cloud", None, None, "r"))
+    records = [record("local:qwen", "local", 0.0), nobody]
+    costs = priced_costs(records, cloud, "cloudfake")
+    assert (costs.priced, costs.unpriced, costs.unanswered) == (1, 0, 1)
+    assert costs.unpriced_providers == ()
+    note = price_note(FusionSettings(cloud_model="cloudfake"), "cloudfake", cloud, costs)
+    assert note is not None and "1 inference(s) got no answer from any provider" in note
+    assert "FUSION_PRICE_OVERRIDES" not in note and ":?" not in note
+    assert totals_of(nobody)["unpriced"] == 0

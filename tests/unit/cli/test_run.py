@@ -239,12 +239,34 @@ def test_an_unknown_thread_is_refused_unless_new_thread(tmp_path: Path, two_answ
     assert refused.exit_code == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in refused.output
-    assert f"thread 'nope' has no checkpoint in --db {db}; use --new-thread to start it" in lines[0]
+    assert f"thread 'nope' has no checkpoint in {db.resolve()};" in " ".join(lines[0].split())
+    assert "--new-thread to start it here" in refused.stderr
     assert refused.stdout == ""  # no empty live table either
     started = runner.invoke(app, ["run", "hi", *common, "--thread", "nope", "--new-thread"])
     assert started.exit_code == 0, started.output
     again = runner.invoke(app, ["run", "hi", *common, "--thread", "nope"])
     assert again.exit_code == 0, again.output
+
+
+def test_a_thread_begun_in_another_directory_is_found_and_named(
+    tmp_path: Path, two_answers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(project)
+    common = ["--workspace", str(project), "--context", '{"sub_runners": "off"}']
+    begun = runner.invoke(app, ["run", "hi", *common, "--thread", "t", "--new-thread"])
+    assert begun.exit_code == 0, begun.output
+    monkeypatch.chdir(elsewhere)  # threads live under the directory a command runs in, not the workspace
+    refused = runner.invoke(app, ["run", "again", *common, "--thread", "t"])
+    assert refused.exit_code == 2
+    said = " ".join(refused.stderr.split())
+    assert f"no checkpoint in {(elsewhere / '.fusion-graph' / 'threads.sqlite').resolve()}" in said
+    assert "--db's default: .fusion-graph/threads.sqlite under this directory" in said
+    found = (project / ".fusion-graph" / "threads.sqlite").resolve()
+    assert f"it is in {found}: add --db {found}" in said
+    assert "Traceback" not in refused.output and len(refused.stderr.strip().splitlines()) == 1
 
 
 def test_json_prints_one_object_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
