@@ -25,7 +25,8 @@ async def main() -> None:
     )
     print(result["messages"][-1].content)
     for record in result["route_log"]:
-        print(record["step"], record["kind"], record["leg"], record["score"], record["provider"])
+        # routed_leg: where the router sent the step; leg: where it ran (after a fallover, the other).
+        print(record["step"], record["kind"], record["routed_leg"], "->", record["leg"], record["provider"])
         print("   ", record["reason"])
 
 

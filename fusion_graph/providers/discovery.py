@@ -33,6 +33,8 @@ class LocalServers:
         self.injected_local = injected_local
         self._not_llama: set[str] = set()
         self._props: dict[str, ServerProps] = {}
+        #: Servers that could not be read, said once per outage (until one answers again).
+        self._unreachable: set[str] = set()
         self._count_url: str | None = None
         #: Windows that cannot change any more (asked on every step): by link.
         self._windows: weakref.WeakKeyDictionary[ChainLink, int | None] = weakref.WeakKeyDictionary()
@@ -117,8 +119,13 @@ class LocalServers:
             self._not_llama.add(url)
             return None
         except LlamaServerUnavailable as error:
-            logger.warning("no slot or window for this call: %s", error)
+            if url not in self._unreachable:  # once per outage, not once per call
+                self._unreachable.add(url)
+                logger.warning("no slot or window until llama-server answers (calls fall over): %s", error)
             return None
+        if url in self._unreachable:
+            self._unreachable.discard(url)
+            logger.warning("llama-server at %s answers again: slots and window known", url)
         self._props[url] = props
         return props
 

@@ -33,4 +33,25 @@ def test_the_quickstart_example_runs_against_openai_compatible_servers(tmp_path:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "A project with one note."
-    assert lines[1].startswith("0 plan cloud") and any(line.startswith("1 step local") for line in lines)
+    assert lines[1].startswith("0 plan cloud -> cloud")
+    assert any(line.startswith("1 step local -> local") for line in lines)
+
+
+def test_the_quickstart_shows_where_a_step_was_routed_and_where_it_ran(tmp_path: Path) -> None:
+    from fusion_graph_testing.llama_server import free_port
+
+    plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # llama-server is down: the local step falls over to cloud
+    with FakeOpenAI([plan, Reply(content="Answered by cloud.")]) as cloud:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
+            "OPENAI_API_KEY": "sk-example-key-000000",
+            "FUSION_CLOUD_BASE_URL": cloud.base_url,
+            "FUSION_LOCAL_BASE_URL": dead,
+        }
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "Answered by cloud."
+    assert any(line.startswith("1 step local -> cloud cloud:") for line in lines), lines

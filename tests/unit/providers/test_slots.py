@@ -107,3 +107,23 @@ async def test_an_unreachable_local_server_falls_over_instead_of_failing_slot_di
     assert (record["routed_leg"], record["leg"]) == ("local", "cloud")
     assert record["attempts"][0]["kind"] == "connection"
     assert "id_slot" not in cloud.requests[0]
+
+
+async def test_an_unreachable_local_server_is_logged_once_per_outage(caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()
+    dead = f"http://127.0.0.1:{port}/v1"
+    replies = [Reply(content=f"cloud answer {i}") for i in range(3)]
+    with FakeOpenAI(replies) as cloud:
+        graph = build_graph(
+            cloud_model=ChatOpenAI(model="c", base_url=cloud.base_url, api_key="x", max_retries=0),
+            local_model=ChatLlamaServer(model="l", base_url=dead, api_key="x", max_retries=0, timeout=2),
+            tools=[],
+            settings=FusionSettings(cross_leg_fallover=True),
+        )
+        with caplog.at_level("WARNING", logger="fusion_graph"):
+            for _ in range(3):
+                out = await graph.ainvoke(user_input("hi"), context=FusionContext(mode="local"))
+                assert out["route_log"][0]["leg"] == "cloud"
+    said = [r.getMessage() for r in caplog.records if "no slot or window" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"127.0.0.1:{port}/props" in said[0] and "start one with" in said[0]
