@@ -109,7 +109,9 @@ async def test_an_unreachable_local_server_falls_over_instead_of_failing_slot_di
     assert "id_slot" not in cloud.requests[0]
 
 
-async def test_an_unreachable_local_server_is_logged_once_per_outage(caplog: pytest.LogCaptureFixture) -> None:
+async def test_an_unreachable_local_server_is_logged_once_per_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     port = free_port()
     dead = f"http://127.0.0.1:{port}/v1"
     replies = [Reply(content=f"cloud answer {i}") for i in range(3)]
