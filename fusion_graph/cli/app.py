@@ -33,6 +33,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: flags without a value type beside them (typer's rich panels show ``--json <bool>``).
+    rich_markup_mode=None,
 )
 
 

@@ -47,6 +47,8 @@ CUT_NOTE = (
 )
 #: Under a table with a fallover: how to read ``cloud 503 → local``.
 LEG_NOTE = "leg: routed, then the failed attempt, → the leg that answered"
+#: Under this many columns a fallover's leg is ``cloud→local`` and its failed attempt goes below the table.
+WIDE = 100
 #: Short labels of failed attempts by error class (an HTTP status in the message wins).
 _ERROR_LABELS = {
     "rate_limited": "429",
@@ -95,20 +97,27 @@ class StepRow:
     done: bool = False
     failed: bool = False
 
-    def leg_text(self) -> str:
-        """``local``, ``cloud 503 → local``, ``local …`` (running) or ``cloud ✗`` (nobody answered)."""
+    def failed_attempt(self) -> str | None:
+        """``cloud 503``: the leg and failure of the first attempt that failed; ``None``: none did."""
+        first = self.attempts[0] if self.attempts else None
+        return None if first is None else f"{first.get('leg', self.routed_leg)} {attempt_label(first)}"
+
+    def leg_text(self, *, compact: bool = False) -> str:
+        """``local``, ``cloud 503 → local``, ``local …`` (running) or ``cloud ✗`` (nobody answered).
+
+        ``compact`` (a narrow terminal): ``cloud→local``, one word that never wraps; the
+        failed attempt is then said below the table (``StepTable.notes``).
+        """
         if not self.done:
             return f"{self.routed_leg} …"
-        first = self.attempts[0] if self.attempts else None
-        tried = (
-            self.routed_leg
-            if first is None
-            else f"{first.get('leg', self.routed_leg)} {attempt_label(first)}"
-        )
-        if self.failed:
-            return f"{tried} ✗"
+        failed = self.failed_attempt()
+        tried = self.routed_leg if failed is None or compact else failed
         leg = self.leg or self.routed_leg
-        return leg if first is None and leg == self.routed_leg else f"{tried} → {leg}"
+        if self.failed:
+            return f"{tried}{'' if compact else ' '}✗"
+        if failed is None and leg == self.routed_leg:
+            return leg
+        return f"{tried}→{leg}" if compact else f"{tried} → {leg}"
 
 
 def _num(value: Any) -> str:
@@ -146,6 +155,9 @@ class StepTable:
     clock: Callable[[], float] = time.monotonic
     last: tuple[int, int, str] | None = None
     turn: int = 0
+    spinner: Spinner = field(default_factory=lambda: Spinner("dots"))
+    """One spinner for the whole run: its frame follows the time since it was first drawn, so a
+    spinner made afresh at each refresh would never turn."""
 
     def apply(self, event: Mapping[str, Any]) -> None:
         """Add or complete a row; events of other kinds are ignored."""
@@ -225,13 +237,14 @@ class StepTable:
         """The compact table: step, kind, leg, score/T, tokens (prompt/cached), time, tools, cost.
 
         Args:
-            width: Columns available; under 100 a fallover's leg wraps after the failed attempt
-                (``cloud 503 →`` / ``local``) so the tools keep their room.
+            width: Columns available; under ``WIDE`` a fallover's leg is ``cloud→local`` (its
+                failed attempt is said below the table) so no column wraps but the tools.
         """
+        compact = width is not None and width < WIDE
         table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold")
         table.add_column("step", justify="right", no_wrap=True)
         table.add_column("kind", no_wrap=True)
-        table.add_column("leg", width=13 if width is None or width < 100 else None)
+        table.add_column("leg", no_wrap=True)
         table.add_column("score", justify="right", no_wrap=True)
         table.add_column("tokens", justify="right", no_wrap=True)
         table.add_column("time", justify="right", no_wrap=True)
@@ -244,7 +257,7 @@ class StepTable:
             table.add_row(
                 self._step(row),
                 row.kind,
-                Text(row.leg_text(), style=style),
+                Text(row.leg_text(compact=compact), style=style),
                 score,
                 f"{_tokens(row.prompt_tokens)}/{_tokens(row.cached_tokens)}",
                 self._time(row),
@@ -265,8 +278,11 @@ class StepTable:
             "and counted in its totals"
         )
 
-    def notes(self) -> list[RenderableType]:
-        """The reasons (last step, or all with ``details``), the running ticker and the legends."""
+    def notes(self, *, compact: bool = False) -> list[RenderableType]:
+        """The reasons (last step, or all with ``details``), the running ticker and the legends.
+
+        ``compact``: the table showed ``cloud→local``, so the failed attempts are listed here.
+        """
         lines: list[RenderableType] = []
         shown = list(self.rows.values()) if self.details else [self.rows[self.last]] if self.last else []
         for row in shown:
@@ -282,11 +298,17 @@ class StepTable:
             text = f"step {self._step(running)}{kind} routed {running.routed_leg}: {self._time(running)}"
             if running.streamed:
                 text += f", {running.streamed} tokens streamed"
-            lines.append(Spinner("dots", text=text))
+            self.spinner.update(text=text)
+            lines.append(self.spinner)
         folded = self._folded()
         if folded is not None:
             lines.append(Text(folded, style="dim"))
-        if any(row.done and row.attempts and not row.failed for row in self.rows.values()):
+        fallovers = [row for row in self.rows.values() if row.done and row.attempts]
+        if compact and fallovers:
+            tried = ", ".join(f"step {self._step(row)} {row.failed_attempt()}" for row in fallovers)
+            how = " (leg: routed→answered)" if any(not row.failed for row in fallovers) else ""
+            lines.append(Text(f"failed attempts: {tried}{how}", style="dim"))
+        elif any(not row.failed for row in fallovers):
             lines.append(Text(LEG_NOTE, style="dim"))
         if any(row.truncated for row in self.rows.values()):
             lines.append(Text(CUT_NOTE, style="yellow"))
@@ -299,7 +321,7 @@ class StepTable:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         """Draw the current rows at the console's width (the ticker's elapsed time moves); none: nothing."""
         if self.rows:
-            yield Group(self.table(options.max_width), *self.notes())
+            yield Group(self.table(options.max_width), *self.notes(compact=options.max_width < WIDE))
 
 
 # -- after the turn -------------------------------------------------------------------

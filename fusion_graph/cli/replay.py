@@ -155,8 +155,8 @@ def replay(
     plot: Annotated[
         Path | None,
         typer.Option(
-            help="Write a PNG: timelines (score vs the T ± h band) of up to 16 trajectories in a grid, "
-            "or for more a summary (share by cloud_share, score histogram)."
+            help="Write a PNG of every trajectory: up to 16 as timelines (score vs the T ± h band) in a "
+            "grid, more as a summary (share by cloud_share, score histogram)."
         ),
     ] = None,
     plot_limit: Annotated[

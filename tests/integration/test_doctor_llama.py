@@ -121,4 +121,4 @@ def test_default_budget_needs_a_bigger_window(
     result = runner.invoke(app, ["--json"])  # max_completion_tokens 4096 against 4096-token slots
     check = {c["name"]: c for c in json.loads(result.stdout)["checks"]}["slot window"]
     assert result.exit_code == 1 and check["status"] == "fail"
-    assert "-c 32768" in check["fix"]
+    assert "at least 8192 tokens" in check["fix"] and "-c 131072" in check["fix"]

@@ -138,3 +138,17 @@ def test_a_bad_run_default_in_the_environment_is_one_line_naming_it(
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and variable in lines[0] and says in lines[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "replay", "calibrate", "label", "report", "doctor"])
+def test_help_shows_flags_as_flags_and_fits_80_columns(command: str) -> None:
+    from typer.testing import CliRunner
+
+    from fusion_graph.cli.app import app
+
+    shown = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert shown.exit_code == 0, shown.output
+    assert "<bool>" not in shown.stdout  # a flag takes no value
+    assert max(len(line) for line in shown.stdout.splitlines()) <= 80
+    (flag,) = [line.split() for line in shown.stdout.splitlines() if line.split()[:1] == ["--json"]]
+    assert not flag[1].startswith("<"), flag

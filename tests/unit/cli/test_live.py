@@ -196,7 +196,9 @@ def test_the_live_table_of_a_recorded_stream_fits_80_columns_and_matches_the_sna
     # What the snapshot must show, whatever its layout.
     assert steps.rows[(1, 2, "step")].leg_text() == "cloud 503 → local"
     assert steps.rows[(1, 3, "step")].leg_text() == "local timeout → cloud"
-    assert "cloud 503 →" in text and "local timeout" in text  # wrapped after the failed attempt
+    # At 80 columns the leg never wraps: the failed attempts are said below the table.
+    assert "cloud→local" in text and "local→cloud" in text
+    assert "failed attempts: step 2 cloud 503, step 3 local timeout" in text
     assert "(cut)" in text and "max_tokens" in text
     assert "2400/-" in text and "5210/2380" in text and "123k/118k" in text
     assert "62s" in text and "$0.012300" in text
@@ -232,6 +234,19 @@ def test_a_running_step_ticks_elapsed_time_and_streamed_tokens() -> None:
     assert "running" not in text and "4.0s" in text
 
 
+def test_the_running_spinner_turns_between_refreshes() -> None:
+    from rich.spinner import Spinner
+
+    steps = StepTable(clock=lambda: 10.0)
+    start = decision(1, "step", "local", 12, 60, "back to local")
+    steps.apply(start)
+    drawn = [[n for n in steps.notes() if isinstance(n, Spinner)] for _ in range(2)]
+    assert [len(d) for d in drawn] == [1, 1]
+    first, second = drawn[0][0], drawn[1][0]
+    # Each refresh draws the same spinner, so its frame follows the time since it was first drawn.
+    assert str(first.render(100.0)) != str(second.render(100.5))  # a fresh one would start at frame 0
+
+
 def test_nobody_answered() -> None:
     steps = StepTable(clock=lambda: 0.0)
     start = decision(1, "step", "cloud", 90, 60, "cloud")
@@ -248,7 +263,9 @@ def test_nobody_answered() -> None:
             ],
         }
     )
-    assert "cloud 429 ✗" in rendered(steps)
+    assert "cloud 429 ✗" in steps.rows[(1, 1, "step")].leg_text()
+    narrow = rendered(steps)
+    assert "cloud✗" in narrow and "failed attempts: step 1 cloud 429\n" in narrow
 
 
 def test_attempt_labels() -> None:

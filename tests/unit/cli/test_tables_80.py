@@ -90,4 +90,4 @@ def test_doctor_at_80_columns_shows_every_number_whole(
         assert check["name"] in text
         for number in numbers(check["detail"] + " " + check["fix"]):
             assert number in text, (number, check, text)
-    assert "32768" in text and "8192" in text  # the start line: -c and the tokens per slot, whole
+    assert "131072" in text and "8192" in text  # the start line's -c and the tokens a slot needs, whole
