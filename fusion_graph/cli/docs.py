@@ -70,9 +70,9 @@ def env_example() -> str:
         "# in the run's context=.",
         "",
         f"# The cloud API key, in the variable named by {ENV_PREFIX}CLOUD_API_KEY_ENV (default {key_env}).",
-        "# Set it in .env or the deployment's secret store only, never here or in an image. Left",
-        "# commented out: `langgraph dev` loads .env over the environment, so an empty line here would",
-        "# blank a key you exported.",
+        "# Put it in your .env copy (uncomment the line) or the deployment's secret store: never in",
+        "# .env.example, which git keeps, nor in an image. Left commented out because `langgraph dev`",
+        "# loads .env over the environment: an empty line would blank a key you exported.",
         f"# {key_env}=",
     ]
     for _, scope, kind, default, env, description in config_rows():

@@ -48,12 +48,23 @@ INTERRUPTED = 130
 
 
 class RateColumn(ProgressColumn):
-    """Steps per second since the bar started (``-`` until rich can tell)."""
+    """Steps labelled this run per second since the bar started (``-`` before the first).
+
+    Not rich's ``task.speed``: that spans only the time between its samples, so
+    two answers a moment apart after a long one read as a hundred steps a
+    second. Steps a resumed run found done (the task's ``resumed`` field) are
+    not counted.
+    """
 
     def render(self, task: Task) -> Text:
-        """The task's speed in steps per second."""
-        speed = task.speed
-        return Text("-" if speed is None else f"{speed:.2f} steps/s", style="progress.data.speed")
+        """This run's steps over its elapsed time."""
+        done = task.completed - float(task.fields.get("resumed", 0))
+        elapsed = task.elapsed
+        if not done or not elapsed:
+            return Text("-", style="progress.data.speed")
+        rate = done / elapsed
+        shown = f"{rate:.2f} steps/s" if rate >= 0.1 else f"{elapsed / done:.0f} s/step"
+        return Text(shown, style="progress.data.speed")
 
 
 @dataclass
@@ -142,7 +153,8 @@ async def _label(
         columns = (TextColumn("agree {task.fields[agree]}"), RateColumn())
         agree = agreed
         with progress(columns=columns) as display, out.open("a", encoding="utf-8") as handle:
-            task = display.add_task("labelling", total=total, completed=total - waiting, agree=agree)
+            resumed = total - waiting
+            task = display.add_task("labelling", total=total, completed=resumed, agree=agree, resumed=resumed)
 
             def write(line: dict[str, Any]) -> None:
                 nonlocal agree

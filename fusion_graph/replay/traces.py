@@ -132,7 +132,9 @@ def trace_files(paths: Iterable[Path]) -> list[Path]:
         elif path.is_file():
             found.append(path)
         else:
-            raise TraceError(f"trace path not found: {path}; {WHERE_TRACES_ARE}")
+            flag = str(path).lower() in ("true", "false", "yes", "no", "1", "0")
+            hint = " (flags such as --json take no value)" if flag else ""
+            raise TraceError(f"trace path not found: {path}{hint}; {WHERE_TRACES_ARE}")
     if not found:
         raise TraceError(f"no *.jsonl trace files in {', '.join(map(str, paths))}")
     return found
@@ -174,12 +176,20 @@ def tool_schemas(raw: Any, *, where: str) -> tuple[dict[str, Any], ...]:
     return tuple(found)
 
 
-def parse_records(lines: Iterable[str], *, file: str) -> list[TraceRecord]:
+#: What a trace file holds, for errors about one that does not.
+TRACE_FORMAT = 'a trace file is JSONL: one {"id", "messages": [OpenAI chat messages]} conversation a line'
+
+
+def parse_records(lines: Iterable[str], *, file: str, where: str | None = None) -> list[TraceRecord]:
     """Parse JSONL records ``{"id", "messages": [...], "reward"?}``; blank lines are skipped.
+
+    ``file`` names the family (a file's stem); ``where`` names the file in errors
+    (default ``file``), e.g. the path as given.
 
     Raises:
         TraceError: A line is not JSON or has no list of role-tagged messages.
     """
+    name = where or file
     found = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -187,12 +197,14 @@ def parse_records(lines: Iterable[str], *, file: str) -> list[TraceRecord]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise TraceError(f"{file}:{number}: not JSON ({error})") from error
+            raise TraceError(f"{name}:{number}: not JSON ({error}); {TRACE_FORMAT}") from error
         raw = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(raw, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in raw
         ):
-            raise TraceError(f"{file}:{number}: expected a 'messages' list of {{'role': ...}} objects")
+            raise TraceError(
+                f"{name}:{number}: expected a 'messages' list of {{'role': ...}} objects; {TRACE_FORMAT}"
+            )
         reward = record.get("reward")
         found.append(
             TraceRecord(
@@ -201,24 +213,26 @@ def parse_records(lines: Iterable[str], *, file: str) -> list[TraceRecord]:
                 id=str(record["id"]) if record.get("id") else None,
                 reward=float(reward) if isinstance(reward, int | float) else None,
                 messages=tuple(raw),
-                tools=tool_schemas(record.get("tools"), where=f"{file}:{number}"),
+                tools=tool_schemas(record.get("tools"), where=f"{name}:{number}"),
             )
         )
     return found
 
 
-def parse_trajectories(lines: Iterable[str], *, file: str) -> list[RecordedTrajectory]:
+def parse_trajectories(
+    lines: Iterable[str], *, file: str, where: str | None = None
+) -> list[RecordedTrajectory]:
     """Parse JSONL trace records (``parse_records``) into conversations of LangChain messages.
 
     Raises:
         TraceError: A line is not a trace record, or its messages cannot be read.
     """
     found = []
-    for record in parse_records(lines, file=file):
+    for record in parse_records(lines, file=file, where=where):
         try:
             messages = convert_to_messages(list(record.messages))
         except (ValueError, TypeError, KeyError) as error:
-            raise TraceError(f"{file}:{record.line}: unreadable messages ({error})") from error
+            raise TraceError(f"{where or file}:{record.line}: unreadable messages ({error})") from error
         found.append(
             RecordedTrajectory(
                 file=file,
@@ -237,7 +251,7 @@ def load_trajectories(paths: Iterable[Path]) -> list[RecordedTrajectory]:
     found = []
     for path in trace_files(paths):
         with path.open(encoding="utf-8") as handle:
-            found.extend(parse_trajectories(handle, file=path.stem))
+            found.extend(parse_trajectories(handle, file=path.stem, where=str(path)))
     return found
 
 

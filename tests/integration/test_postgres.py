@@ -166,3 +166,14 @@ def test_missing_binaries_skip_locally_and_fail_under_ci(
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true but no postgres"):
         unavailable("no postgres")
+
+
+def test_doctor_names_the_postgres_version_as_postgres_prints_it(postgres_db: str) -> None:
+    import re
+
+    from fusion_graph.cli.doctor.checkpoints import postgres_check
+
+    check = postgres_check(postgres_db, timeout=5)
+    assert check.status == "ok", check
+    found = re.search(r"\(PostgreSQL (\d+)\.(\d+)\)", check.detail)
+    assert found is not None and int(found[1]) >= 10, check.detail

@@ -99,7 +99,14 @@ def postgres_check(url: str, *, timeout: float) -> Check:
         return Check(
             name, "fail", f"cannot connect to {shown} ({detail})", "check the URL and that the server runs"
         )
-    return Check(name, "ok", f"{shown} connects (server version {version})")
+    return Check(name, "ok", f"{shown} connects (PostgreSQL {postgres_version(version)})")
+
+
+def postgres_version(number: int) -> str:
+    """libpq's ``server_version`` in the form PostgreSQL prints it: ``150018`` is ``15.18``."""
+    if number >= 100000:  # 10 and later: major * 10000 + minor
+        return f"{number // 10000}.{number % 10000}"
+    return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
 
 
 def shared_state_check(url: str | None, *, timeout: float) -> Check:

@@ -457,3 +457,11 @@ def test_a_shared_state_database_that_cannot_serve_is_a_failed_row_with_its_fix(
 
 def test_without_shared_state_doctor_has_no_shared_state_row(nothing_local: str) -> None:
     assert "shared state" not in rows(invoke("--json", "--timeout", "1"))
+
+
+def test_the_postgres_version_reads_as_postgres_prints_it() -> None:
+    from fusion_graph.cli.doctor.checkpoints import postgres_version
+
+    assert postgres_version(150018) == "15.18"
+    assert postgres_version(160002) == "16.2"
+    assert postgres_version(90624) == "9.6.24"

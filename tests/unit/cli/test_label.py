@@ -400,3 +400,24 @@ async def test_calibrate_on_a_thread_stores_shadow_checks(tmp_path: Path) -> Non
     assert found["chosen"]["share"] <= 0.5 and found["labels"] == f"shadow checks in {db}"
     missing = runner.invoke(app, ["calibrate", "--labels-from-db", str(tmp_path / "no.sqlite"), *args[3:5]])
     assert missing.exit_code == 2 and "no checkpoint database" in missing.stderr
+
+
+def test_the_rate_counts_this_runs_steps_over_its_whole_time() -> None:
+    from rich.progress import Progress
+
+    from fusion_graph.cli.label import RateColumn
+
+    now = [0.0]
+    display = Progress(get_time=lambda: now[0])
+    task_id = display.add_task("labelling", total=100, completed=40, resumed=40)
+    task = display.tasks[0]
+    assert str(RateColumn().render(task)) == "-"  # nothing labelled yet
+    now[0] = 42.0
+    display.update(task_id, advance=1)
+    now[0] = 44.0
+    display.update(task_id, advance=1)
+    display.update(task_id, advance=1)  # two answers a moment apart after a long one
+    assert str(RateColumn().render(task)) == "15 s/step"  # 3 steps in 44 s, not rich's burst speed
+    now[0] = 50.0
+    display.update(task_id, advance=7)
+    assert str(RateColumn().render(task)) == "0.20 steps/s"

@@ -504,3 +504,20 @@ def test_the_help_names_the_default_traces() -> None:
         assert result.exit_code == 0, result.output
         text = " ".join(result.stdout.replace("│", " ").split())
         assert TRACES_ENV in text and SAMPLE_NAME in text, text
+
+
+def test_a_file_that_is_no_trace_is_named_as_given_with_the_format(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a trace\n")
+    result = runner.invoke(app, ["replay", str(readme)])
+    assert result.exit_code == 2
+    said = " ".join(result.stderr.split())
+    assert f"{readme}:1: not JSON" in said and "README:1" not in said
+    assert "a trace file is JSONL" in said
+
+
+def test_a_value_after_a_flag_is_named_as_one() -> None:
+    result = runner.invoke(app, ["replay", "--json", "true"])
+    assert result.exit_code == 2
+    said = " ".join(result.stderr.split())
+    assert "trace path not found: true (flags such as --json take no value)" in said
