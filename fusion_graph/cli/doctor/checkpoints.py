@@ -103,7 +103,7 @@ def postgres_check(url: str, *, timeout: float) -> Check:
 
 
 def postgres_version(number: int) -> str:
-    """libpq's ``server_version`` in the form PostgreSQL prints it: ``150018`` is ``15.18``."""
+    """The version libpq reports (``server_version``) as PostgreSQL prints it: ``150018`` is ``15.18``."""
     if number >= 100000:  # 10 and later: major * 10000 + minor
         return f"{number // 10000}.{number % 10000}"
     return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
