@@ -13,7 +13,7 @@ a second to write.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +242,33 @@ def write_tiny_model(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fusion_graph_testing.tiny_model OUT.gguf``: write the tests' tiny model, print its path.
+
+    The tokenizer comes from the vocab GGUFs of the built llama-server
+    (``scripts/build_llama_server.sh``); the weights are random, so answers are
+    noise, but a real llama-server serves it on any CPU in milliseconds a token.
+    """
+    import argparse
+
+    from fusion_graph_testing.llama_server import LlamaServerNotBuilt, vocab_path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fusion_graph_testing.tiny_model", description=(main.__doc__ or "").split("\n")[0]
+    )
+    parser.add_argument("out", type=Path, help="where to write the .gguf file")
+    parser.add_argument("--vocab", default="qwen2", help="llama.cpp vocab (models/ggml-vocab-NAME.gguf)")
+    parser.add_argument("--n-ctx", type=int, default=32768, help="training context written to the metadata")
+    args = parser.parse_args(argv)
+    try:
+        vocab = vocab_path(args.vocab)
+    except LlamaServerNotBuilt as error:
+        parser.error(f"{error}: build llama-server first (bash scripts/build_llama_server.sh)")
+    print(write_tiny_model(args.out, vocab_gguf=vocab, n_ctx=args.n_ctx))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -108,6 +108,26 @@ def test_tiny_model_copies_tokenizer_and_is_deterministic(tiny_model: Path, tmp_
     assert other.read_bytes() != tiny_model.read_bytes()
 
 
+def test_the_tiny_model_recipe_writes_the_tests_model(tiny_model: Path, tmp_path: Path) -> None:
+    """``python -m fusion_graph_testing.tiny_model OUT`` (testing/README.md): a model llama-server serves."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "recipe.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "fusion_graph_testing.tiny_model", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    vocab = vocab_dir() / "ggml-vocab-qwen2.gguf"
+    assert read_tokenizer_metadata(out) == read_tokenizer_metadata(vocab)
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
 def test_tiny_model_chat_template_override(llama_server_bin: Path, tmp_path: Path) -> None:
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     path = write_tiny_model(

@@ -101,9 +101,21 @@ def find_cloud_key(
     return FoundKey(variable, ".env", False, value) if value else None
 
 
-def cloud_key_check(settings: FusionSettings, found: FoundKey | None) -> Check:
-    """The key is named by its variable; its value, length or any part of it is never shown."""
+def cloud_key_check(settings: FusionSettings, found: FoundKey | None, *, local_only: bool = False) -> Check:
+    """The key is named by its variable; its value, length or any part of it is never shown.
+
+    ``local_only`` (the checked context's ``mode`` is ``local``): no cloud leg is
+    built, so a missing key is said, not failed (``run`` needs none either).
+    """
     variable = key_variable(settings)
+    if found is None and local_only:
+        return Check(
+            "cloud key",
+            "info",
+            f"no cloud API key ({variable or 'FUSION_CLOUD_API_KEY_ENV'} unset): not needed, "
+            "the checked context runs local only (mode local)",
+            f"export {variable or 'OPENAI_API_KEY'}=... before a run in fusion or cloud mode",
+        )
     if variable is None:
         if found is None:
             return Check("cloud key", "fail", f"no cloud API key: {KEY_IN_NAME}", KEY_IN_NAME_FIX)

@@ -149,7 +149,7 @@ def doctor(
     local = pool_checks if settings.local_workers else llama_checks
     blank = blank_key_check(settings, dotenv)
     checks = [
-        cloud_key_check(settings, key),
+        cloud_key_check(settings, key, local_only=run_context.mode == "local"),
         *([blank] if blank is not None else []),
         *cloud_checks(settings, key, live=live, timeout=timeout),
         cloud_price_check(run_context, settings),

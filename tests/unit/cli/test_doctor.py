@@ -465,3 +465,13 @@ def test_the_postgres_version_reads_as_postgres_prints_it() -> None:
     assert postgres_version(150018) == "15.18"
     assert postgres_version(160002) == "16.2"
     assert postgres_version(90624) == "9.6.24"
+
+
+def test_a_local_only_context_needs_no_cloud_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusion_graph.cli.doctor.cloud import cloud_key_check
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    said = cloud_key_check(FusionSettings(), None, local_only=True)
+    assert said.status == "info" and "not needed" in said.detail and "OPENAI_API_KEY" in said.fix
+    assert cloud_key_check(FusionSettings(), None).status == "fail"  # fusion mode builds the cloud leg
