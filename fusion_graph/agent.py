@@ -2,9 +2,10 @@
 
 Diagram::
 
-    START -> plan -> tools (one Send per call) -> route -> local | cloud -> tools -> ...
-                                                  route -> repair (same leg) | step_limit | give_up
-                                                  route -> tools (the next wave of a batch)
+    START -> plan -> tools (one Send per call) -> local | cloud -> tools -> ...  (a one-call batch)
+                     tools -> route -> local | cloud                  (the tasks of a larger batch join)
+                     tools | route -> repair (same leg) | step_limit | give_up | memory | END
+                                      route -> tools (the next wave of a batch)
     plan | local | cloud | repair -> route          (a batch with nothing to run)
     plan | local | cloud | repair -> memory -> END  (a reply; memory is the side branch)
     plan | local | cloud | repair -> synthesis -> memory | END  (a local reply re-written on cloud)
@@ -27,6 +28,7 @@ from fusion_graph.context import FusionContext, context_defaults, ensure_context
 from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.nodes import (
+    AFTER_TOOLS,
     InferenceNodes,
     MemoryNodes,
     RouteNode,
@@ -124,10 +126,15 @@ def build_graph(
     memory_runs = MemoryRuns(resolver=resolver, jobs=memory_jobs, tools=tool_list)
     memory = MemoryNodes(memory_runs, graph_name=GRAPH_NAME)
     sizer = Sizer(resolver, tool_list, count_tokens)
-    inference = InferenceNodes(
-        resolver=resolver, tools=tool_list, count_tokens=count_tokens, recall=memory.recall, sizer=sizer
-    )
     route = RouteNode(count_tokens, {t.name: t for t in tool_list}, memory_on, sizer)
+    inference = InferenceNodes(
+        resolver=resolver,
+        tools=tool_list,
+        count_tokens=count_tokens,
+        recall=memory.recall,
+        sizer=sizer,
+        route=route,
+    )
 
     builder = StateGraph(State, context_schema=FusionContext, input_schema=InputState)
     builder.add_node("plan", inference.plan)
@@ -148,7 +155,8 @@ def build_graph(
         builder.add_conditional_edges(
             executor, after_model, ["tools", "route", "synthesis", "memory", "unavailable", END]
         )
-    builder.add_edge("tools", "route")  # every task of a batch joins at route, which decides once
+    # A one-call batch is routed by the edge; the tasks of a larger one join at route, which decides once.
+    builder.add_conditional_edges("tools", route.after_tools, list(AFTER_TOOLS))
     builder.add_conditional_edges("synthesis", after_synthesis, ["memory", END])
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)

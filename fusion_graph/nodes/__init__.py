@@ -3,7 +3,7 @@
 - ``executors``: ``plan``, ``local``, ``cloud``, ``repair`` (one inference each, plus its batch check)
 - ``dispatch``: the batch rules and one ``Send`` per tool call
 - ``tools``: LangGraph's ``ToolNode`` for one call, with the graph's hook (sampling records, scrub, cap)
-- ``route``: where the turn goes after a batch, decided once and handed to the executor
+- ``route``: where the turn goes after a batch, decided once (by the edge, or the node that joins)
 - ``memory``: recall into a new turn and the memory jobs after a reply
 - ``synthesis``: cloud re-writes a turn's final reply when the local leg wrote it
 - ``shadow``: the cloud leg asked beside a share of local steps, to record whether it acts alike
@@ -15,11 +15,12 @@ from fusion_graph.nodes.dispatch import make_tool_node, sends
 from fusion_graph.nodes.ends import give_up, step_limit, unavailable
 from fusion_graph.nodes.executors import InferenceNodes
 from fusion_graph.nodes.memory import MemoryNodes, memory_on
-from fusion_graph.nodes.route import Destination, RouteNode
+from fusion_graph.nodes.route import AFTER_TOOLS, Destination, RouteNode
 from fusion_graph.nodes.synthesis import SynthesisNode, wants_synthesis
 from fusion_graph.nodes.tools import make_tools_node
 
 __all__ = [
+    "AFTER_TOOLS",
     "Destination",
     "InferenceNodes",
     "InvalidInput",

@@ -30,6 +30,7 @@ from fusion_graph.inputs import check_new_turn, thread_id_of
 from fusion_graph.memory.background import inference_running
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.nodes.memory import Recall, TurnStart
+from fusion_graph.nodes.route import RouteNode, step_key
 from fusion_graph.nodes.shadow import ShadowChecks, picked
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, StepSizes, overflowed
@@ -84,6 +85,16 @@ class StepOrder:
     sizes: StepSizes | None = None
 
 
+@dataclass(frozen=True)
+class _Decided:
+    """A step's decision as the edge made it: the decision, its signals and sizes, the state it moves."""
+
+    decision: RouteDecision
+    signals: StepSignals
+    sizes: StepSizes
+    update: dict[str, Any]
+
+
 class InferenceNodes:
     """``plan``, ``local``, ``cloud`` and ``repair``, bound to the graph's providers and tools."""
 
@@ -95,14 +106,16 @@ class InferenceNodes:
         count_tokens: TokenCounter,
         recall: Recall | None = None,
         sizer: Sizer | None = None,
+        route: RouteNode | None = None,
     ) -> None:
-        """Keep what every inference needs."""
+        """Keep what every inference needs; ``route``: the rule whose decisions the steps carry out."""
         self.resolver = resolver
         self.tools = list(tools)
         self.tools_by_name = {tool.name: tool for tool in self.tools}
         self.count_tokens = count_tokens
         self.recall = recall
         self.sizer = sizer or Sizer(resolver, self.tools, count_tokens)
+        self.route = route
         self.shadows = ShadowChecks()
 
     async def measure(
@@ -278,20 +291,38 @@ class InferenceNodes:
         return update
 
     async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Carry out the decision that sent this step here: the ``route`` node's, else the edge's."""
         context = ensure_context(runtime.context)
         pending = state.get("route")
-        if pending is None or pending["leg"] != leg:
-            raise RuntimeError(f"the {leg} step runs only on a decision that route handed over for it")
-        decision, signals = from_pending(pending)
-        estimates = handed_estimates(pending)
-        if estimates is not None and "sizes" in pending:  # measured by route for this very state
-            sizes = StepSizes.handed(pending["sizes"], estimates)
-        else:
-            sizes = await self.measure(state, context, estimates)
+        moved: dict[str, Any] = {}
+        if pending is not None and pending["leg"] == leg:  # the route node's, in the checkpoint
+            decision, signals = from_pending(pending)
+            estimates = handed_estimates(pending)
+            if estimates is not None and "sizes" in pending:  # measured by route for this very state
+                sizes = StepSizes.handed(pending["sizes"], estimates)
+            else:
+                sizes = await self.measure(state, context, estimates)
+        else:  # the edge's, handed over in process; routed again on a resume elsewhere
+            routed = await self._routed(leg, state, runtime)
+            decision, signals, sizes, moved = routed.decision, routed.signals, routed.sizes, routed.update
         step, turn = state.get("step", 0) + 1, state.get("turn", 0)
         order = StepOrder(leg, "step", step=step, turn=turn, decision=decision, signals=signals, sizes=sizes)
         update, _ = await self._infer(order, state, runtime)
-        return update
+        return {**moved, **update}
+
+    async def _routed(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> _Decided:
+        """The edge's decision for this step: taken from the handoffs, or the rule applied again."""
+        if self.route is None:
+            raise RuntimeError(f"the {leg} step runs only on a decision the routing rule made for it")
+        routed = self.route.handoffs.take(step_key(state)) or await self.route.decide(state, runtime)
+        if routed.decision is None or routed.signals is None or routed.sizes is None:
+            raise RuntimeError(f"the {leg} step runs only on a decision the routing rule made for it")
+        decision = routed.decision
+        if decision.leg != leg:  # a resume whose rule now reads otherwise: the leg already chosen holds
+            decision = dataclasses.replace(
+                decision, leg=leg, reason=f"{decision.reason} (routed {leg} before)"
+            )
+        return _Decided(decision, routed.signals, routed.sizes, routed.update)
 
     async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """A continuation step routed to the local model (llama-server)."""

@@ -1,34 +1,55 @@
-"""The routing node: where the turn goes after a tool batch, decided once.
+"""The routing rule after a tool batch, decided once: as an edge, or as the ``route`` node that joins.
 
 In order: calls still waiting for their file run next (the next wave of the
 batch), then the step limit, then repairs, then the score picks ``local`` or
 ``cloud``. The score's prompt estimate is measured on the local leg (anchored
 on llama-server's last report for this thread) against the local window's
 usable part; a cloud step the cloud budget cannot pay for goes local (the
-budget guard). The decision is handed to the executor in ``state["route"]``
-(with those estimates), so the node that runs the step records exactly the
-decision that sent it there.
+budget guard).
+
+A batch of one call (the usual step) is routed by the edge after ``tools``,
+which hands its decision to the executor in process (``Handoffs``): no extra
+superstep, no checkpoint of its own. A batch of several calls runs as parallel
+tasks that each see only their own result, so they join at the ``route`` node,
+which hands its decision over in ``state["route"]``. Either way the node that
+runs the step records exactly the decision that sent it there.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
+from langgraph.config import get_config
 from langgraph.runtime import Runtime
 from langgraph.types import Command, Send
 
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.inputs import thread_id_of
 from fusion_graph.nodes.dispatch import sends
-from fusion_graph.providers.measure import Sizer
+from fusion_graph.providers.measure import Sizer, StepSizes
+from fusion_graph.score import RouteDecision, StepSignals
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.state import State
 from fusion_graph.turn import last_batch, next_route, next_step, pending_calls, step_tally, to_pending
 
 #: Every node ``route`` can send the turn to.
 Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
+#: Where the edge after a tool task can send the turn: a complete batch as ``route`` would, else to it.
+AFTER_TOOLS: tuple[str, ...] = (
+    "route",
+    "local",
+    "cloud",
+    "repair",
+    "step_limit",
+    "give_up",
+    "memory",
+    "__end__",
+)
 
 
 def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
@@ -43,8 +64,73 @@ def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
     return bool(names) and all(name in tools and tools[name].return_direct for name in names)
 
 
+@dataclass(frozen=True)
+class Routed:
+    """Where the turn goes after a batch and, for a step on a leg, the decision that sends it there.
+
+    Attributes:
+        goto: The destination(s): a node name, ``[leg, "memory"]``, or the next wave's ``Send``s.
+        step: The step about to run (when ``decision`` is set).
+        decision: The routing decision of that step (``None``: not a step on a leg).
+        signals: The signals it was scored on.
+        sizes: Windows and estimates it was measured with, so the executor need not measure again.
+        update: State the decision moves besides the step (the escalation latch, the pace's tally).
+    """
+
+    goto: Destination | list[Send | Destination]
+    step: int = 0
+    decision: RouteDecision | None = None
+    signals: StepSignals | None = None
+    sizes: StepSizes | None = None
+    update: dict[str, Any] = field(default_factory=dict)
+
+
+#: A handoff's key: thread, step, id of the batch's last tool result.
+HandoffKey = tuple[str, int, str]
+#: Decisions kept for executors at most (a step takes its own at once; this only bounds a leak).
+HANDOFFS_KEPT = 4096
+
+
+class Handoffs:
+    """Decisions the edge made, kept in process for the executor that carries them out.
+
+    Keyed by ``step_key``: the executor of that step takes it. One
+    that finds none (a run resumed in another process) routes the state again:
+    the rule is a function of the state, so it decides the same.
+    """
+
+    def __init__(self) -> None:
+        """An empty table."""
+        self._kept: OrderedDict[HandoffKey, Routed] = OrderedDict()
+
+    def give(self, key: HandoffKey, routed: Routed) -> None:
+        """Keep ``routed`` for the executor of ``key``."""
+        self._kept[key] = routed
+        while len(self._kept) > HANDOFFS_KEPT:
+            self._kept.popitem(last=False)
+
+    def take(self, key: HandoffKey) -> Routed | None:
+        """The decision kept for ``key`` (once), or ``None``."""
+        return self._kept.pop(key, None)
+
+
+def step_key(state: State) -> HandoffKey:
+    """The step ``state`` is about to run, as a handoff's key: its thread, its step, the batch's last result.
+
+    The last message's id (set once, by ``add_messages``) tells two runs without
+    a ``thread_id`` apart.
+    """
+    messages = state.get("messages") or []
+    last = str(messages[-1].id) if messages else ""
+    return thread_id_of(get_config()), next_step(state), last
+
+
 class RouteNode:
-    """The ``route`` node over the graph's token estimator, tools, sizer and memory switch."""
+    """The routing rule over the graph's token estimator, tools, sizer and memory switch.
+
+    ``__call__`` is the ``route`` node (a batch's join); ``after_tools`` the edge
+    that routes a one-call batch directly; ``decide`` the rule both apply.
+    """
 
     def __init__(
         self,
@@ -55,23 +141,23 @@ class RouteNode:
     ) -> None:
         """Keep what the decision needs."""
         self.count_tokens, self.tools, self.memory_on, self.sizer = count_tokens, tools, memory_on, sizer
+        self.handoffs = Handoffs()
 
-    async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
+    async def decide(self, state: State, runtime: Runtime[FusionContext]) -> Routed:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
         pending = pending_calls(state["messages"])
         if pending:
-            goto: list[Send | Destination] = list(sends(pending))
-            return Command(goto=goto)
+            return Routed(goto=list(sends(pending)))
         if returned_directly(state, self.tools):
-            return Command(goto="memory" if self.memory_on(runtime) else "__end__")
+            return Routed(goto="memory" if self.memory_on(runtime) else "__end__")
         context = ensure_context(runtime.context)
         step = next_step(state)
         if step >= context.max_steps:
-            return Command(goto="step_limit")
+            return Routed(goto="step_limit")
         if state.get("repair_error"):
             if state.get("repair_attempts", 0) >= context.max_repair_attempts:
-                return Command(goto="give_up")
-            return Command(goto="repair")
+                return Routed(goto="give_up")
+            return Routed(goto="repair")
         chain = await self.sizer.resolver.chain(context)
         sizes = await self.sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
         decision, signals = next_route(
@@ -86,13 +172,36 @@ class RouteNode:
             anchors, log = state.get("anchors") or {}, state.get("route_log", [])
             check = self.sizer.check_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
             decision = check.guard(decision)
-        handed = to_pending(step, decision, signals, sizes.estimates, sizes.as_dict())
-        update: dict[str, Any] = {"route": handed}
+        update: dict[str, Any] = {}
         if decision.latch != state.get("latch"):  # the escalation latch (trouble_signals) moved
             update["latch"] = decision.latch
         if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
             update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))
         every = context.memory_every_k_steps
+        goto: Destination | list[Send | Destination] = decision.leg
         if every and step % every == 0 and self.memory_on(runtime):
-            return Command(update=update, goto=[decision.leg, "memory"])  # beside the next step
-        return Command(update=update, goto=decision.leg)
+            goto = [decision.leg, "memory"]  # beside the next step
+        return Routed(goto=goto, step=step, decision=decision, signals=signals, sizes=sizes, update=update)
+
+    async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
+        """The ``route`` node: the rule's decision, handed to the executor in ``state["route"]``."""
+        routed = await self.decide(state, runtime)
+        if routed.decision is None or routed.signals is None or routed.sizes is None:
+            return Command(goto=routed.goto)
+        handed = to_pending(
+            routed.step, routed.decision, routed.signals, routed.sizes.estimates, routed.sizes.as_dict()
+        )
+        return Command(update={**routed.update, "route": handed}, goto=routed.goto)
+
+    async def after_tools(self, state: State, runtime: Runtime[FusionContext]) -> Any:
+        """The edge after a tool task: a batch this task completed is routed here, else it joins at ``route``.
+
+        A task sees its own result only, so a batch of several parallel calls (or
+        one with a wave still to run) is never complete from here: those join.
+        """
+        if pending_calls(state["messages"]):
+            return "route"
+        routed = await self.decide(state, runtime)
+        if routed.decision is not None:
+            self.handoffs.give(step_key(state), routed)
+        return routed.goto

@@ -38,9 +38,11 @@ def test_nodes_and_edges() -> None:
         assert after == {"tools", "route", "synthesis", "memory", "unavailable", "__end__"}
     after_synthesis = {target for source, target, conditional in edges if source == "synthesis"}
     assert after_synthesis == {"memory", "__end__"}
-    # Tool calls fan out as one task each and join at the one node that decides (a plain edge).
-    after_tool = {(target, conditional) for source, target, conditional in edges if source == "tools"}
-    assert after_tool == {("route", False)}
+    # Tool calls fan out as one task each; a one-call batch is routed by the edge after it, the tasks
+    # of a larger one join at the node that decides.
+    after_tool = {target for source, target, conditional in edges if source == "tools" and conditional}
+    assert after_tool == {"route", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"}
+    assert not [e for e in edges if e[0] == "tools" and not e[2]]
     routed = {target for source, target, conditional in edges if source == "route" and conditional}
     assert routed == {"tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"}
     retried = {target for source, target, conditional in edges if source == "unavailable"}
