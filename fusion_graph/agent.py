@@ -25,6 +25,7 @@ from langgraph.store.base import BaseStore
 from langgraph.types import Send
 
 from fusion_graph.context import FusionContext, context_defaults, ensure_context
+from fusion_graph.errors import UsageError
 from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.nodes import (
@@ -121,7 +122,7 @@ def build_graph(
     if resolver is None:
         resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain, settings=settings)
     elif cloud_model is not None or local_model is not None or chain is not None or settings is not None:
-        raise ValueError("pass either a resolver or cloud_model/local_model/chain/settings, not both")
+        raise UsageError("pass either a resolver or cloud_model/local_model/chain/settings, not both")
     tool_list = list(make_workspace_tools(settings=resolver.settings) if tools is None else tools)
     memory_runs = MemoryRuns(resolver=resolver, jobs=memory_jobs, tools=tool_list)
     memory = MemoryNodes(memory_runs, graph_name=GRAPH_NAME)

@@ -22,7 +22,12 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
     ├── TraceError                   (ValueError) a trace file is missing or malformed
     ├── CalibrationError             (ValueError) the calibration set cannot support the request
     ├── PlotUnavailable              (RuntimeError) matplotlib is not installed
-    └── RunError                     (ValueError) a CLI command cannot start as asked
+    ├── RunError                     (ValueError) a CLI command cannot start as asked
+    ├── UsageError                   (ValueError, TypeError) an API called with arguments it cannot take
+    │   └── UnknownProvider          (KeyError) a provider id the chain does not hold
+    ├── Closed                       (RuntimeError) a provider chain or resolver used after ``aclose()``
+    ├── SyncInEventLoop              (RuntimeError) a sync ``invoke``/``stream`` inside a running event loop
+    └── StateError                   (RuntimeError) a node ran on a state it cannot act on
 
 ``WorkspaceError`` is defined beside the file tools (``fusion_graph.tools.files``):
 it is a LangChain ``ToolException``, and this module stays free of LangChain so
@@ -145,4 +150,36 @@ class RunError(FusionError, ValueError):
     """A CLI command cannot start as asked (an unknown thread, a bad ``--postgres`` URL).
 
     The message names the fix; the commands print it as one line on stderr and exit 2.
+    """
+
+
+class UsageError(FusionError, ValueError, TypeError):
+    """The package's API was called with arguments it cannot take (together, or of that type or value).
+
+    A programming error, not a run's input: the message names the argument and
+    what it takes. Both ``ValueError`` and ``TypeError``, as these checks were.
+    """
+
+
+class UnknownProvider(UsageError, KeyError):
+    """A provider id the chain does not hold; the message lists the ones it does."""
+
+    def __str__(self) -> str:
+        """The message as given (``KeyError`` would quote it)."""
+        return str(self.args[0]) if self.args else ""
+
+
+class Closed(FusionError, RuntimeError):
+    """A provider chain or resolver was used after ``aclose()``: build a new graph to run again."""
+
+
+class SyncInEventLoop(FusionError, RuntimeError):
+    """A sync ``invoke``/``stream``/``batch`` was called inside a running event loop (it would block it)."""
+
+
+class StateError(FusionError, RuntimeError):
+    """A node ran on a state it cannot act on.
+
+    A thread edited by hand, or a ``Command`` that jumped into the middle of a
+    step (e.g. to an executor with no decision for it).
     """

@@ -28,7 +28,7 @@ from langgraph.graph.state import CompiledStateGraph
 from pydantic import TypeAdapter
 
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.errors import InvalidInput, ThreadBusy
+from fusion_graph.errors import InvalidInput, SyncInEventLoop, ThreadBusy
 from fusion_graph.inputs import check_identity, check_input
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
@@ -123,7 +123,7 @@ def _refuse_in_loop() -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    raise RuntimeError(
+    raise SyncInEventLoop(
         "the sync invoke/stream/batch of the fusion graph would block this running event loop: "
         "use await graph.ainvoke(...) or async for ... in graph.astream(...)"
     )

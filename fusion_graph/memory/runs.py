@@ -22,6 +22,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.store.base import BaseStore
 
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.errors import UsageError
 from fusion_graph.memory import background
 from fusion_graph.memory.job_call import JobRunner, dropped_record, run_job
 from fusion_graph.memory.job_log import (
@@ -422,7 +423,7 @@ class MemoryRuns:
         if store is None:
             return 0
         if graph.checkpointer is None:
-            raise ValueError("sweep needs the graph's checkpointer: it reads each thread's messages from it")
+            raise UsageError("sweep needs the graph's checkpointer: it reads each thread's messages from it")
         context = ensure_context(context)
         count = 0
         everywhere = await pending_everywhere(store)

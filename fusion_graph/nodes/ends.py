@@ -11,7 +11,7 @@ from langgraph.types import Command
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.errors import ChainExhausted
+from fusion_graph.errors import ChainExhausted, StateError
 from fusion_graph.internals import is_resuming
 from fusion_graph.records import Attempt
 from fusion_graph.state import State
@@ -44,7 +44,7 @@ async def unavailable(state: State, runtime: Runtime[FusionContext]) -> Command[
     """
     stall = state.get("stall")
     if stall is None:
-        raise RuntimeError("unavailable runs only after an inference no provider answered")
+        raise StateError("unavailable runs only after an inference no provider answered")
     if is_resuming(get_config()):
         return Command(update={"stall": None}, goto=cast(RetryDestination, stall["node"]))
     log = state.get("route_log", [])

@@ -26,6 +26,7 @@ from langgraph.runtime import Runtime
 from fusion_graph import prompts
 from fusion_graph.budget import BudgetCheck
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.errors import StateError
 from fusion_graph.inputs import check_new_turn, thread_id_of
 from fusion_graph.memory.background import inference_running
 from fusion_graph.nodes.dispatch import check_batch
@@ -313,10 +314,10 @@ class InferenceNodes:
     async def _routed(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> _Decided:
         """The edge's decision for this step: taken from the handoffs, or the rule applied again."""
         if self.route is None:
-            raise RuntimeError(f"the {leg} step runs only on a decision the routing rule made for it")
+            raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
         routed = self.route.handoffs.take(step_key(state)) or await self.route.decide(state, runtime)
         if routed.decision is None or routed.signals is None or routed.sizes is None:
-            raise RuntimeError(f"the {leg} step runs only on a decision the routing rule made for it")
+            raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
         decision = routed.decision
         if decision.leg != leg:  # a resume whose rule now reads otherwise: the leg already chosen holds
             decision = dataclasses.replace(

@@ -25,7 +25,7 @@ from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.errors import ProviderRequestError
+from fusion_graph.errors import ProviderRequestError, StateError
 from fusion_graph.inputs import thread_id_of
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, Bounds, ask
 from fusion_graph.providers.measure import Sizer
@@ -66,7 +66,7 @@ class SynthesisNode:
         context = ensure_context(runtime.context)
         draft = last_ai(state["messages"])
         if draft is None:
-            raise RuntimeError("synthesis runs only after a reply")
+            raise StateError("synthesis runs only after a reply")
         turn, step = state.get("turn", 0), state.get("step", 0) + 1
         decision = RouteDecision("cloud", None, None, REASON)
         history = [*state["messages"][:-1], HumanMessage(prompts.RESYNTHESIZE, name=SYNTHESIS_MESSAGE_NAME)]

@@ -26,6 +26,7 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
 from fusion_graph.context import ensure_context
+from fusion_graph.errors import UsageError
 from fusion_graph.inputs import thread_id_of
 from fusion_graph.nodes.dispatch import make_tool_node
 from fusion_graph.providers.ask import ROUTE_EVENT
@@ -85,7 +86,7 @@ def _joined(update: Any, added: dict[str, Any]) -> Any:
         return {**update, **added}
     if isinstance(update, list | tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in update):
         return [*update, *added.items()]  # each pair goes through the channel's reducer in order
-    raise TypeError(
+    raise UsageError(
         f"a tool that asks for MCP sampling must return Command(update=...) as a dict or (key, value) "
         f"pairs, not {type(update).__name__}"
     )

@@ -30,7 +30,7 @@ from typing import Generic, Protocol, TypeVar, cast
 from langchain_core.messages import AIMessage
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from fusion_graph.errors import ChainExhausted, ProviderRequestError
+from fusion_graph.errors import ChainExhausted, Closed, ProviderRequestError, UnknownProvider, UsageError
 from fusion_graph.providers.health import (
     HEALTH_FAILURES,
     NO_FALLOVER,
@@ -178,7 +178,7 @@ class ProviderChain:
     def _install(self, links: Sequence[ChainLink]) -> list[ChainLink]:
         ids = [link.id for link in links]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"provider ids must be unique in a chain, got {ids}")
+            raise UsageError(f"provider ids must be unique in a chain, got {ids}")
         removed = [link for link in self._links if link not in links]
         self._links = list(links)
         self._health = {link: self._health.get(link) or Health(self._policy) for link in links}
@@ -200,7 +200,7 @@ class ProviderChain:
         for link in self._links:
             if link.id == provider_id:
                 return link
-        raise KeyError(f"no provider {provider_id!r} in the chain ({[x.id for x in self._links]})")
+        raise UnknownProvider(f"no provider {provider_id!r} in the chain ({[x.id for x in self._links]})")
 
     def leg_of(self, provider_id: str) -> Leg | None:
         """The leg of ``provider_id`` (``None`` if absent): the ``leg_of`` of ``chain_totals``."""
@@ -219,7 +219,7 @@ class ProviderChain:
     def acquire(self, provider_id: str) -> ChainLink:
         """Pin a link (e.g. the router's pick for a leg) so no swap closes it; pair with ``release``."""
         if self._closed:
-            raise RuntimeError("the provider chain is closed")
+            raise Closed("the provider chain is closed")
         link = self.link(provider_id)
         self._holds[link] = self._holds.get(link, 0) + 1
         return link
@@ -228,7 +228,7 @@ class ProviderChain:
         """Drop one hold; the last one closes the link if it has left the chain."""
         count = self._holds.get(link, 0)
         if count <= 0:
-            raise ValueError(f"provider {link.id!r} is not held")
+            raise UsageError(f"provider {link.id!r} is not held")
         if count > 1:
             self._holds[link] = count - 1
             return
@@ -332,7 +332,7 @@ class ProviderChain:
                 provider's exception.
         """
         if self._closed:
-            raise RuntimeError("the provider chain is closed")
+            raise Closed("the provider chain is closed")
         can_hold = fits or _any_link
         attempts: list[Attempt] = []
         failed: set[ChainLink] = set()

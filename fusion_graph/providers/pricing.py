@@ -30,6 +30,7 @@ from genai_prices import Usage, calc_price
 from genai_prices.data_snapshot import find_provider_by_id, get_snapshot
 from genai_prices.types import TieredPrices
 
+from fusion_graph.errors import ProviderConfigError
 from fusion_graph.providers.models import Provider, model_name
 from fusion_graph.records import RouteRecord
 from fusion_graph.score import Leg
@@ -143,7 +144,9 @@ def check_price_like(price_like: str) -> str:
     """``price_like`` if the catalogue knows that provider; else a ``ValueError`` listing the known ones."""
     if find_provider_by_id(get_snapshot().providers, price_like) is None:
         known = ", ".join(catalog_provider_ids())
-        raise ValueError(f"cloud_price_like {price_like!r} is not a genai-prices provider; known: {known}")
+        raise ProviderConfigError(
+            f"cloud_price_like {price_like!r} is not a genai-prices provider; known: {known}"
+        )
     return price_like
 
 

@@ -22,7 +22,7 @@ from langchain_core.language_models import BaseChatModel
 
 from fusion_graph.budget import CloudBudget, cloud_budget
 from fusion_graph.context import FusionContext
-from fusion_graph.errors import ContextError, ProviderConfigError
+from fusion_graph.errors import Closed, ContextError, ProviderConfigError, UsageError
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.discovery import LocalServers
 from fusion_graph.providers.health import HealthPolicy
@@ -92,7 +92,7 @@ class ProviderResolver:
         ``settings`` defaults to ``FusionSettings()``, read from the environment now.
         """
         if chain is not None and (cloud is not None or local is not None):
-            raise ValueError("pass either a provider chain or cloud/local models, not both")
+            raise UsageError("pass either a provider chain or cloud/local models, not both")
         self.settings = settings if settings is not None else FusionSettings()
         self._fixed_chain = chain
         self._injected: dict[Leg, BaseChatModel | None] = {"cloud": cloud, "local": local}
@@ -217,7 +217,7 @@ class ProviderResolver:
             ContextError: ``context`` asks for a model or workspace the operator did not allow.
         """
         if self._closed:
-            raise RuntimeError("the provider resolver is closed: build a new graph to run again")
+            raise Closed("the provider resolver is closed: build a new graph to run again")
         self.check_bounds(context)
         legs = self.legs_for(context)
         narrowing = (context.cloud_model, context.workspace_root, legs)
@@ -245,7 +245,7 @@ class ProviderResolver:
                     try:
                         chain.set_override(settings.override_provider)
                     except KeyError as error:
-                        raise ValueError(
+                        raise ProviderConfigError(
                             f"override_provider {settings.override_provider!r} is not a provider of "
                             f"this graph; known: {[link.id for link in links]}"
                         ) from error

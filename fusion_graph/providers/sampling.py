@@ -43,7 +43,7 @@ from langgraph.constants import TAG_NOSTREAM
 
 from fusion_graph.budget import UNLIMITED, BudgetCheck, StepPrice, check_budget, expected_completion
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.errors import ProviderRequestError
+from fusion_graph.errors import ProviderRequestError, UsageError
 from fusion_graph.providers.ask import Ask, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.pricing import price
@@ -431,7 +431,7 @@ def sampling_callback(
         # A FusionGraph (run_queue, a layer above this one): its memory runs hold the resolver.
         resolver = getattr(getattr(graph_or_resolver, "memory_runs", None), "resolver", None)
     if not isinstance(resolver, ProviderResolver):
-        raise TypeError(
+        raise UsageError(
             "sampling_callback takes a graph from build_graph() or a ProviderResolver, "
             f"got {type(graph_or_resolver).__name__}"
         )

@@ -24,6 +24,8 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
+from fusion_graph.errors import UsageError
+
 
 class SlotPool:
     """Maps conversations to llama-server slots.
@@ -43,7 +45,7 @@ class SlotPool:
             reserve_reflection: Keep the last slot for memory sub-runners.
         """
         if total_slots < 1:
-            raise ValueError(f"total_slots must be >= 1, got {total_slots}")
+            raise UsageError(f"total_slots must be >= 1, got {total_slots}")
         self.total_slots = total_slots
         self.reserve_reflection = reserve_reflection
         self._held: OrderedDict[str, int] = OrderedDict()

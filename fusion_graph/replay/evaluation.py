@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from fusion_graph.errors import UsageError
+
 
 def split_halves(count: int, seed: int) -> tuple[list[int], list[int]]:
     """Shuffle ``0..count-1`` with ``seed`` and cut it into two halves (the first may be smaller)."""
@@ -28,7 +30,7 @@ def rank_auc(positives: Sequence[float], negatives: Sequence[float]) -> float:
         ValueError: Either group is empty.
     """
     if not positives or not negatives:
-        raise ValueError("rank_auc needs at least one value in each group")
+        raise UsageError("rank_auc needs at least one value in each group")
     wins = 0.0
     for p in positives:
         for n in negatives:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusion_graph.errors import UsageError
 from fusion_graph.replay.disagreement import LabelCalibration, RecallPoint
 from fusion_graph.replay.plot import PLANS_NOTE, _figure, _save
 
@@ -46,7 +47,7 @@ def recall_figure(
     """
     drawn = found.curves if curves is None else curves
     if not drawn:
-        raise ValueError("no recall curves to plot: calibrate_labels(..., curves=True) draws them")
+        raise UsageError("no recall curves to plot: calibrate_labels(..., curves=True) draws them")
     figure = _figure(1, 1, (6.4, 5.0))
     axes = figure.axes[0]
     axes.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=0.9, label="random (recall = share)")

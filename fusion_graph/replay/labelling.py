@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusion_graph.errors import ChainExhausted, ProviderRequestError
+from fusion_graph.errors import ChainExhausted, FusionError, ProviderRequestError, UsageError
 from fusion_graph.providers.ask import Ask, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.links import ChainLink
@@ -44,7 +44,7 @@ REASON = "offline label: the recorded step asked of the local model"
 Write = Callable[[dict[str, Any]], None]
 
 
-class LocalUnavailable(RuntimeError):
+class LocalUnavailable(FusionError, RuntimeError):
     """The local server cannot be reached or is cooling down: the run stops, finished labels kept."""
 
 
@@ -166,7 +166,7 @@ async def label_all(
             the labels written so far stand.
     """
     if concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        raise UsageError(f"concurrency must be at least 1, got {concurrency}")
     tally = LabelTally()
     queue: asyncio.Queue[Sequence[StepToLabel]] = asyncio.Queue()
     for steps in trajectories:

@@ -284,7 +284,7 @@ def parse_label(data: Any) -> Label:
     try:
         agrees = data["agrees"]
         if agrees is not None and not isinstance(agrees, bool):
-            raise ValueError(f"'agrees' must be true, false or null, got {agrees!r}")
+            raise TraceError(f"'agrees' must be true, false or null, got {agrees!r}")
         return Label(
             trace=str(data["trace"]),
             line=int(data["line"]),
@@ -296,7 +296,7 @@ def parse_label(data: Any) -> Label:
             agrees=agrees,
         )
     except (KeyError, TypeError) as error:
-        raise ValueError(f"not a label line ({type(error).__name__}: {error})") from error
+        raise TraceError(f"not a label line ({type(error).__name__}: {error})") from error
 
 
 def read_label_lines(path: Path) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_graph.context import FusionContext
-from fusion_graph.errors import PlotUnavailable
+from fusion_graph.errors import PlotUnavailable, UsageError
 from fusion_graph.replay.calibration import Calibration
 from fusion_graph.replay.replayed import ReplayedTrajectory
 from fusion_graph.replay.shares import Shares, TargetOf, scored_steps, sweep
@@ -235,7 +235,7 @@ def timelines(
     """
     shown = list(replays)[:limit]
     if not shown:
-        raise ValueError("no trajectories to plot")
+        raise UsageError("no trajectories to plot")
     columns = min(MAX_COLUMNS, math.ceil(math.sqrt(len(shown))))
     rows = math.ceil(len(shown) / columns)
     width, height = PANEL_SIZE
@@ -332,7 +332,7 @@ def summary(
     """
     shown = list(replays)
     if not shown:
-        raise ValueError("no trajectories to plot")
+        raise UsageError("no trajectories to plot")
     figure = _figure(1, 2, (13.0, 5.2))
     shares_axes, scores_axes = figure.axes
     swept = sweep([scored_steps(r.steps) for r in shown], context)
@@ -459,7 +459,7 @@ def calibration_curve(
     """
     points = [shares for values in series.values() for _, shares in values]
     if not points:
-        raise ValueError("no calibration points to plot")
+        raise UsageError("no calibration points to plot")
     kinds: list[TargetOf] = ["continuation", "all"]
     if of == "cost" or all(shares.cost_fraction is not None for shares in points):
         kinds.append("cost")

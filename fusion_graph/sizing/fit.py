@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fusion_graph.errors import ContextError
 from fusion_graph.score import Leg
 
 #: A link's completion budget is at most this share of its window, so a small window still
@@ -81,7 +82,7 @@ def conversation_budget(
         return max(usable, 1)
     if conversation_max_tokens > usable:
         budget = completion_budget(max_completion_tokens, local_window)
-        raise ValueError(
+        raise ContextError(
             f"conversation_max_tokens {conversation_max_tokens:,} is more than the local window holds "
             f"for a prompt: {local_window:,} - completion budget {budget:,} = {usable:,} tokens; lower "
             "it, leave it empty to use the window, or give llama-server a larger slot (-c / -np)"
