@@ -125,8 +125,8 @@ def build_graph(
         raise UsageError("pass either a resolver or cloud_model/local_model/chain/settings, not both")
     tool_list = list(make_workspace_tools(settings=resolver.settings) if tools is None else tools)
     memory_runs = MemoryRuns(resolver=resolver, jobs=memory_jobs, tools=tool_list)
-    memory = MemoryNodes(memory_runs, graph_name=GRAPH_NAME)
     sizer = Sizer(resolver, tool_list, count_tokens)
+    memory = MemoryNodes(memory_runs, graph_name=GRAPH_NAME, sizer=sizer)
     route = RouteNode(count_tokens, {t.name: t for t in tool_list}, memory_on, sizer)
     inference = InferenceNodes(
         resolver=resolver,

@@ -90,6 +90,8 @@ class JobRunner:
         config: Callbacks and tags of the run (``None`` for detached jobs).
         prime: Prime the reflection slot before a local job (``bench/memory_warm.py`` measures
             what turning it off costs).
+        over_budget: Why the cloud budget moved the jobs off cloud (said in their records).
+        allowed: The links the jobs may use (``None``: every link; off cloud when over the budget).
     """
 
     chain: ProviderChain
@@ -102,6 +104,8 @@ class JobRunner:
     timeout_s: float | None = None
     config: RunnableConfig | None = None
     prime: bool = True
+    over_budget: str | None = None
+    allowed: frozenset[str] | None = None
 
 
 def _job_body(job: MemoryJob, runner: JobRunner) -> dict[str, Any]:
@@ -129,10 +133,18 @@ async def run_job(
     records: list[RouteRecord] = []
     prefer: str | None = None
     error = ""
-    bounds = Bounds(timeout_s=runner.timeout_s)
+    bounds = Bounds(allowed=runner.allowed, timeout_s=runner.timeout_s)
+    if runner.allowed is not None and not runner.allowed:
+        why = f"{runner.over_budget}, and no local provider can run it instead"
+        return None, [dropped_record(job, "cloud", turn, step, why)], why
     for attempt in range(2):
-        reason = f"memory job {job.name} on the {runner.leg} leg (sub_runners={runner.leg})"
-        decision = RouteDecision(leg=runner.leg, score=None, threshold=None, reason=reason)
+        if runner.over_budget is None:
+            reason = f"memory job {job.name} on the {runner.leg} leg (sub_runners={runner.leg})"
+        else:
+            reason = f"memory job {job.name}: sub_runners=cloud; {runner.over_budget}: local"
+        decision = RouteDecision(
+            leg=runner.leg, score=None, threshold=None, reason=reason, budget=runner.over_budget
+        )
         primed: dict[str, bool] = {}
         prime = runner.prime and attempt == 0  # a repair continues the slot's own content
 

@@ -299,6 +299,7 @@ class MemoryRuns:
         store: BaseStore,
         *,
         owner: JobOwner | None = None,
+        over_budget: str | None = None,
     ) -> list[RouteRecord]:
         """A detached run: after the thread's step in flight, run the jobs, then log them as done.
 
@@ -331,7 +332,9 @@ class MemoryRuns:
                 return True  # nobody else can claim it through an unreachable database either
 
         try:
-            records = await self.run(ticket, messages, context, store, config=None, still_ours=still_ours)
+            records = await self.run(
+                ticket, messages, context, store, config=None, still_ours=still_ours, over_budget=over_budget
+            )
             if not await still_ours():
                 logger.warning(
                     "memory job %s was taken over by another worker; its run here is dropped", ticket.key
@@ -359,12 +362,18 @@ class MemoryRuns:
         *,
         config: RunnableConfig | None,
         still_ours: Callable[[], Awaitable[bool]] | None = None,
+        over_budget: str | None = None,
     ) -> list[RouteRecord]:
         """Every job of one run (each bounded by ``memory_timeout_s``); their records, never raises.
 
         ``still_ours`` is asked before a job writes to the store (a shared claim's owner check).
+        ``over_budget``: why the cloud budget moved this run off cloud (the ticket's leg is then
+        ``local``); no attempt of it may fall over to a cloud link.
         """
         chain = await self.resolver.chain(context)
+        allowed = None
+        if over_budget is not None:
+            allowed = frozenset(link.id for link in chain.links if link.leg != "cloud")
 
         runner = JobRunner(
             chain=chain,
@@ -378,6 +387,8 @@ class MemoryRuns:
             max_tokens=context.memory_max_tokens,
             timeout_s=self.resolver.settings.request_timeout,
             config=config,
+            over_budget=over_budget,
+            allowed=allowed,
         )
         mode = context.memory_mode
 

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from langchain_core.messages import HumanMessage
+from langchain_core.messages import BaseMessage, HumanMessage
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
@@ -32,6 +32,7 @@ from fusion_graph.memory.jobs import JobTicket
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.memory.store import memory_message, namespace_of, recall
 from fusion_graph.providers.ask import ROUTE_EVENT
+from fusion_graph.providers.measure import Sizer
 from fusion_graph.records import RouteRecord, records_totals
 from fusion_graph.state import State
 from fusion_graph.turn import turn_start
@@ -73,10 +74,11 @@ def records_update(records: Sequence[RouteRecord], runtime: Runtime[Any]) -> dic
 class MemoryNodes:
     """Recall and catch-up for the plan step, and the ``memory`` node (the runs are ``MemoryRuns``)."""
 
-    def __init__(self, runs: MemoryRuns, *, graph_name: str = "fusion") -> None:
-        """Keep the graph's memory runs and its name (it namespaces the store)."""
+    def __init__(self, runs: MemoryRuns, *, graph_name: str = "fusion", sizer: Sizer | None = None) -> None:
+        """Keep the graph's memory runs, its name (it namespaces the store) and the budget's pricer."""
         self.runs = runs
         self.graph_name = graph_name
+        self.sizer = sizer
 
     # -- the plan step --------------------------------------------------------
 
@@ -120,6 +122,26 @@ class MemoryNodes:
 
     # -- the memory node ------------------------------------------------------
 
+    async def _over_budget(
+        self, state: State, messages: Sequence[BaseMessage], context: FusionContext
+    ) -> str | None:
+        """Why the cloud budget keeps this run's jobs off cloud (``sub_runners="cloud"``), or ``None``.
+
+        The one budget rule, as for every cloud call: the run is priced whole
+        against the turn's and the thread's spend.
+        """
+        if context.sub_runners != "cloud" or self.sizer is None:
+            return None
+        check = await self.sizer.check_jobs_budget(
+            messages,
+            state.get("anchors") or {},
+            state.get("route_log") or [],
+            state.get("turn", 0),
+            context,
+            jobs=len(self.runs.memory_jobs),
+        )
+        return check.over
+
     async def memory(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """Run the memory jobs on the ``sub_runners`` leg; never fails or holds up the turn.
 
@@ -135,6 +157,7 @@ class MemoryNodes:
         config = get_config()
         messages = list(state["messages"])
         last = messages[-1] if messages else None
+        over = await self._over_budget(state, messages, context)
         ticket = JobTicket(
             namespace=namespace_of(config, self.graph_name),
             thread_id=thread_id_of(config),
@@ -142,10 +165,10 @@ class MemoryNodes:
             step=state.get("step", 0),
             covers=len(messages),
             last_message_id=last.id if last is not None else None,
-            leg="cloud" if context.sub_runners == "cloud" else "local",
+            leg="cloud" if context.sub_runners == "cloud" and over is None else "local",
         )
         if context.memory_mode == "inline":
-            records = await self.runs.run(ticket, messages, context, store, config=config)
+            records = await self.runs.run(ticket, messages, context, store, config=config, over_budget=over)
             return records_update(records, runtime)
         owner = await self.runs.claim(ticket)  # with shared state: this worker runs it, nobody else
         entry = pending_entry(ticket, self.runs.memory_jobs, lease_s=self.runs.lease_s)
@@ -153,7 +176,7 @@ class MemoryNodes:
             await write_entry(store, ticket, entry)
         except Exception:
             logger.exception("writing memory job %s as pending failed; running it anyway", ticket.key)
-        run = self.runs.run_logged(ticket, entry, messages, context, store, owner=owner)
+        run = self.runs.run_logged(ticket, entry, messages, context, store, owner=owner, over_budget=over)
         task = detach(run, key=ticket.key)
         if not loop_outlives_run():  # this run's loop stops with it: see the jobs through here
             await asyncio.wait({task}, timeout=self.runs.lease_s)

@@ -321,6 +321,34 @@ class Sizer:
         expected = expected_completion(route_log, ceiling=ceiling)
         return check_budget(budget, route_log, turn, step, expected=expected, ceiling=ceiling)
 
+    async def check_jobs_budget(
+        self,
+        messages: Sequence[BaseMessage],
+        anchors: Mapping[str, PromptAnchor],
+        route_log: Sequence[RouteRecord],
+        turn: int,
+        context: FusionContext,
+        *,
+        jobs: int,
+    ) -> BudgetCheck:
+        """The budget guard for a run of ``jobs`` memory jobs on cloud: the same rule as a step's.
+
+        Each job sends the conversation (priced as a step's prompt) and writes up
+        to ``memory_max_tokens``; the run is priced whole, so the guard moves all
+        of its jobs or none.
+        """
+        budget = self.resolver.cloud_budget(context)
+        if not budget.limited:
+            return UNLIMITED
+        chain = await self.resolver.chain(context)
+        sizes = await self.measure(chain, messages, anchors, context)
+        step = self.cloud_price(chain, sizes, anchors)
+        if step is None or step.prompt_usd is None:
+            return check_budget(budget, route_log, turn, StepPrice(None, None), expected=1, ceiling=1)
+        run = StepPrice(step.prompt_usd * jobs, step.token_usd)
+        written = context.memory_max_tokens * jobs
+        return check_budget(budget, route_log, turn, run, expected=written, ceiling=written)
+
     def bounds(
         self, chain: ProviderChain, prepared: Prepared, context: FusionContext, check: BudgetCheck = UNLIMITED
     ) -> Bounds:

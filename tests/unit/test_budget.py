@@ -225,3 +225,59 @@ async def test_a_capped_cloud_call_asks_for_no_more_than_the_budget_pays(how: st
     assert plan["leg"] == "cloud" and plan["extra"]["cloud_max_tokens"] == sent < 4096
     # What the call may write at most, with its prompt, stays within the budget ($10/M both ways).
     assert (plan["extra"]["estimated_prompt_tokens"] + sent) * 10 / 1_000_000 <= 0.01
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_memory_jobs_on_cloud_keep_the_budget_like_every_cloud_call(how: str) -> None:
+    from langgraph.store.memory import InMemoryStore
+
+    with (
+        FakeOpenAI([Reply(content="cloud plan", prompt_tokens=1950)]) as cloud,
+        FakeOpenAI([Reply(content="{}")] * 8) as local,
+    ):
+        graph = build_graph(
+            cloud_model=ChatOpenAI(
+                model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
+            ),
+            local_model=ChatLlamaServer(
+                model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
+            ),
+            tools=[lookup],
+            checkpointer=InMemorySaver(),
+            store=InMemoryStore(),
+            settings=FusionSettings(price_overrides=PRICES, local_slots=2, thread_cloud_budget_usd=0.02),
+        )
+        context = FusionContext(max_completion_tokens=16, sub_runners="cloud", memory_mode="inline")
+        state = await run(graph, "plan it", how, context)
+    jobs = [entry for entry in state["route_log"] if entry["kind"] == "memory"]
+    assert jobs, state["route_log"]
+    assert all(entry["routed_leg"] == "local" for entry in jobs)
+    assert all(
+        "thread budget $0.02" in entry["reason"] and entry["reason"].endswith(": local") for entry in jobs
+    )
+    assert len(cloud.requests) == 1  # the plan only: no job went to cloud, nor fell over to it
+
+
+async def test_memory_jobs_on_cloud_run_there_while_the_budget_pays() -> None:
+    from langgraph.store.memory import InMemoryStore
+
+    with (
+        FakeOpenAI([Reply(content="cloud plan"), *[Reply(content="{}")] * 8]) as cloud,
+        FakeOpenAI() as local,
+    ):
+        graph = build_graph(
+            cloud_model=ChatOpenAI(
+                model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
+            ),
+            local_model=ChatLlamaServer(
+                model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
+            ),
+            tools=[lookup],
+            checkpointer=InMemorySaver(),
+            store=InMemoryStore(),
+            settings=FusionSettings(price_overrides=PRICES, local_slots=2, thread_cloud_budget_usd=5.0),
+        )
+        context = FusionContext(max_completion_tokens=16, sub_runners="cloud", memory_mode="inline")
+        state = await run(graph, "plan it", "ainvoke", context)
+    jobs = [entry for entry in state["route_log"] if entry["kind"] == "memory"]
+    assert jobs and all(entry["routed_leg"] == "cloud" and "budget" not in entry["reason"] for entry in jobs)
