@@ -129,7 +129,7 @@ def _paced(decision: RouteDecision, pace: Pace | None, cloud_share: int) -> Rout
         f"{decision.reason}; paced to {forced}: {pace.cloud} of {pace.steps} continuation steps on "
         f"cloud, {why} {cloud_share}% (slack {pace.slack:g})"
     )
-    return replace(decision, leg=forced, reason=reason)
+    return replace(decision, leg=forced, reason=reason, paced=True)
 
 
 def latch_rule(band: Leg, latch: Latch, *, step: int, for_trouble: bool) -> tuple[Leg, int | None]:

@@ -236,6 +236,8 @@ class RouteDecision:
     """Why a cloud budget moved this decision from cloud to local (``None``: it did not)."""
     latch: int | None = None
     """The escalation latch after this decision: the step that set it (``None``: not held, or no latch)."""
+    paced: bool = False
+    """Whether the paced dial forced this leg against the score's band (``routing.paced_leg``)."""
 
 
 def _ratio(numerator: float, denominator: float) -> float:

@@ -28,6 +28,8 @@ class PendingRoute(DecisionFields):
     """The prompt estimate per leg the decision used (``estimate.Estimate`` as a dict)."""
     budget: NotRequired[str]
     """Why a cloud budget moved the decision local (absent: it did not)."""
+    paced: NotRequired[bool]
+    """Whether the paced dial forced the leg against the band (absent: it did not)."""
     sizes: NotRequired[dict[str, Any]]
     """The rest of what the decision was measured with (``measure.StepSizes.as_dict`` less estimates)."""
 

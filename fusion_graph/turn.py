@@ -340,6 +340,8 @@ def to_pending(
         choice["sizes"] = dict(sizes)
     if decision.budget is not None:
         choice["budget"] = decision.budget
+    if decision.paced:
+        choice["paced"] = True
     return choice
 
 
@@ -350,7 +352,12 @@ def from_pending(choice: PendingRoute) -> tuple[RouteDecision, StepSignals]:
     if choice["score"] is not None and breakdown is not None:
         score = score_type(breakdown)(score=choice["score"], **breakdown)
     decision = RouteDecision(
-        choice["leg"], score, choice["threshold"], choice["reason"], budget=choice.get("budget")
+        choice["leg"],
+        score,
+        choice["threshold"],
+        choice["reason"],
+        budget=choice.get("budget"),
+        paced=choice.get("paced", False),
     )
     signals = choice["signals"]
     return decision, signals_type(signals)(**signals)

@@ -16,13 +16,13 @@ from fusion_graph.replay.resynthesis import RESYNTHESIS_PROMPT_TOKENS, Resynthes
 from fusion_graph.replay.traces import StepPrices
 from fusion_graph.score import RouteDecision, StepSignals, TroubleSignals
 
-#: What ``routing`` appends to a decision's reason when the paced dial overruled the band.
-PACED_MARK = "; paced to "
-
 
 def is_paced(decision: RouteDecision) -> bool:
-    """Whether the paced dial (``routing.paced_leg``) forced this leg against the score's band."""
-    return PACED_MARK in decision.reason
+    """Whether the paced dial (``routing.paced_leg``) forced this leg against the score's band.
+
+    Read from the decision's own field, never from its reason (words are for people).
+    """
+    return decision.paced
 
 
 def is_latched(signals: StepSignals) -> bool:

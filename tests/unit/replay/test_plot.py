@@ -116,7 +116,8 @@ def step(position: int, index: int, leg: Leg, value: float, reason: str) -> Repl
         score=int(value + 0.5), context_pressure=value, turn_depth=0, transient_notice=0, tail_growth=0
     )
     signals = StepSignals(100, 4096, index, 25, False, 0, 100)
-    return ReplayedStep(position, index, RouteDecision(leg, score, 60, reason), signals)
+    decision = RouteDecision(leg, score, 60, reason, paced="; paced to " in reason)
+    return ReplayedStep(position, index, decision, signals)
 
 
 def crafted() -> ReplayedTrajectory:

@@ -167,3 +167,17 @@ def test_plan_note_at_cloud_share_0_says_no_plan_is_on_cloud() -> None:
         "0 of them on cloud here"
     )
     assert plan_note(10, 4, 4).endswith("so at least 0.40 of all steps go to cloud")
+
+
+def test_whether_a_step_was_paced_is_never_read_from_its_reason() -> None:
+    from fusion_graph.score import RouteDecision
+    from fusion_graph.turn import from_pending, to_pending
+    from tests.unit.test_routing import sig
+
+    worded = RouteDecision("cloud", None, None, "score 3 < 60; paced to cloud: words only")
+    assert not is_paced(worded)  # the words alone do not make it paced
+    silent = RouteDecision("cloud", None, None, "no words about it", paced=True)
+    assert is_paced(silent)
+    # Handed over through the checkpoint by the route node and read back: the field travels.
+    decision, _ = from_pending(to_pending(3, silent, sig()))
+    assert is_paced(decision) and decision == silent
