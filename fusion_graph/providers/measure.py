@@ -28,7 +28,7 @@ from fusion_graph.providers.ask import Bounds
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import count_prompt_tokens
-from fusion_graph.providers.pricing import price
+from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.records import RouteRecord
 from fusion_graph.score import Leg, RouteDecision
@@ -292,9 +292,7 @@ class Sizer:
             return None
         anchor = anchors.get("cloud")
         cached = min(anchor["prompt_tokens"], estimate.tokens) if anchor is not None else 0
-        per_million = price(link.pricing, 0, 0, 1_000_000)
-        token = per_million / 1_000_000 if per_million is not None else None
-        return StepPrice(price(link.pricing, estimate.tokens, cached, 0), token)
+        return step_price(link.pricing, estimate.tokens, cached)
 
     def check_budget(
         self,

@@ -30,6 +30,7 @@ from genai_prices import Usage, calc_price
 from genai_prices.data_snapshot import find_provider_by_id, get_snapshot
 from genai_prices.types import TieredPrices
 
+from fusion_graph.budget import StepPrice
 from fusion_graph.errors import ProviderConfigError
 from fusion_graph.providers.models import Provider, model_name
 from fusion_graph.records import RouteRecord
@@ -217,6 +218,19 @@ def price(
     usage = Usage(input_tokens=prompt_tokens, cache_read_tokens=cached, output_tokens=completion_tokens)
     found = _catalog_calc(pricing, usage, at)
     return None if found is None else float(found[0])
+
+
+def step_price(pricing: Pricing, prompt_tokens: int, cached_tokens: int = 0) -> StepPrice:
+    """What a cloud inference of ``prompt_tokens`` costs before it is made: its prompt, and each token out.
+
+    The one way a step is priced ahead of its call (the route's budget guard,
+    memory jobs, MCP sampling): ``cached_tokens`` of the prompt at the cached
+    rate (the thread's warm prefix, when a server reported one), and the price
+    of one completion token, so the budget can cap how long the call may write.
+    """
+    per_million = price(pricing, 0, 0, 1_000_000)
+    token = per_million / 1_000_000 if per_million is not None else None
+    return StepPrice(price(pricing, prompt_tokens, cached_tokens, 0), token)
 
 
 @dataclass(frozen=True)

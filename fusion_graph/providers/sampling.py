@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langgraph.constants import TAG_NOSTREAM
 
-from fusion_graph.budget import UNLIMITED, BudgetCheck, StepPrice, check_budget, expected_completion
+from fusion_graph.budget import UNLIMITED, BudgetCheck, check_budget, expected_completion
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import ProviderRequestError, UsageError
 from fusion_graph.providers.ask import Ask, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.pricing import price
+from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
@@ -389,11 +389,8 @@ class SamplingCallback:
         cloud = next((link for link in chain.links if link.leg == "cloud"), None)
         if not budget.limited or cloud is None:
             return UNLIMITED
-        per_million = price(cloud.pricing, 0, 0, 1_000_000)
-        step = StepPrice(
-            price(cloud.pricing, approximate_tokens(list(prompt)), 0, 0),
-            per_million / 1_000_000 if per_million is not None else None,
-        )
+        # Nothing of a sampled prompt is in the thread's cloud cache: no cached input to credit.
+        step = step_price(cloud.pricing, approximate_tokens(list(prompt)))
         log = [*scope.route_log, *scope.records] if scope is not None else []
         expected = expected_completion(log, ceiling=max_tokens)
         turn = scope.turn if scope is not None else 0

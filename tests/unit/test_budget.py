@@ -281,3 +281,13 @@ async def test_memory_jobs_on_cloud_run_there_while_the_budget_pays() -> None:
         state = await run(graph, "plan it", "ainvoke", context)
     jobs = [entry for entry in state["route_log"] if entry["kind"] == "memory"]
     assert jobs and all(entry["routed_leg"] == "cloud" and "budget" not in entry["reason"] for entry in jobs)
+
+
+def test_a_step_is_priced_ahead_by_one_function_with_its_cached_prefix_credited() -> None:
+    from fusion_graph.providers.pricing import Pricing, TokenPrices, step_price
+
+    pricing = Pricing.flat(TokenPrices(10.0, 20.0, 1.0))
+    cold, warm = step_price(pricing, 1000), step_price(pricing, 1000, 800)
+    assert cold.prompt_usd == pytest.approx(0.01) and cold.token_usd == pytest.approx(20.0 / 1e6)
+    assert warm.prompt_usd == pytest.approx(200 * 10.0 / 1e6 + 800 * 1.0 / 1e6)  # 800 read from cache
+    assert warm.cost(100) == pytest.approx(warm.prompt_usd + 100 * 20.0 / 1e6)
