@@ -290,4 +290,4 @@ def test_a_step_is_priced_ahead_by_one_function_with_its_cached_prefix_credited(
     cold, warm = step_price(pricing, 1000), step_price(pricing, 1000, 800)
     assert cold.prompt_usd == pytest.approx(0.01) and cold.token_usd == pytest.approx(20.0 / 1e6)
     assert warm.prompt_usd == pytest.approx(200 * 10.0 / 1e6 + 800 * 1.0 / 1e6)  # 800 read from cache
-    assert warm.cost(100) == pytest.approx(warm.prompt_usd + 100 * 20.0 / 1e6)
+    assert warm.cost(100) == pytest.approx((warm.prompt_usd or 0.0) + 100 * 20.0 / 1e6)
