@@ -235,7 +235,7 @@ class InferenceNodes:
         thread_id: str,
     ) -> bool:
         """Start the shadow check of this local step on the cloud leg; ``False`` when none is made."""
-        cloud = next((link for link in chain.links if link.leg == "cloud"), None)
+        cloud = chain.first_cloud
         if cloud is None:
             return False
         return self.shadows.start(

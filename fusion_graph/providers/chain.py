@@ -202,6 +202,11 @@ class ProviderChain:
                 return link
         raise UnknownProvider(f"no provider {provider_id!r} in the chain ({[x.id for x in self._links]})")
 
+    @property
+    def first_cloud(self) -> ChainLink | None:
+        """The chain's first cloud link: the one a step is priced at before its call (``None``: no cloud)."""
+        return next((link for link in self._links if link.leg == "cloud"), None)
+
     def leg_of(self, provider_id: str) -> Leg | None:
         """The leg of ``provider_id`` (``None`` if absent): the ``leg_of`` of ``chain_totals``."""
         return next((link.leg for link in self._links if link.id == provider_id), None)

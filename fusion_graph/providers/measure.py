@@ -286,7 +286,7 @@ class Sizer:
         this thread counted as cached input (the thread's cloud prefix is warm), at
         most the estimate; and the link's price of one completion token.
         """
-        link = next((x for x in chain.links if x.leg == "cloud"), None)
+        link = chain.first_cloud
         estimate = sizes.estimates.get("cloud")
         if link is None or estimate is None:
             return None
@@ -311,7 +311,7 @@ class Sizer:
         budget = self.resolver.cloud_budget(context)
         if not budget.limited:
             return UNLIMITED
-        link = next((x for x in chain.links if x.leg == "cloud"), None)
+        link = chain.first_cloud
         step = self.cloud_price(chain, sizes, anchors)
         if link is None or step is None:
             return check_budget(budget, route_log, turn, StepPrice(None, None), expected=1, ceiling=1)

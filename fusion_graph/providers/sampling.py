@@ -386,7 +386,7 @@ class SamplingCallback:
         samples of this tool call). Outside a run, nothing has been spent.
         """
         budget = self.resolver.cloud_budget(context)
-        cloud = next((link for link in chain.links if link.leg == "cloud"), None)
+        cloud = chain.first_cloud
         if not budget.limited or cloud is None:
             return UNLIMITED
         # Nothing of a sampled prompt is in the thread's cloud cache: no cached input to credit.
