@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.messages import BaseMessage, HumanMessage
 from pydantic import BaseModel, Field
@@ -106,26 +106,16 @@ class JobTicket:
         return f"{self.thread_id}:{self.turn}:{self.step}"
 
     def fields(self) -> TicketFields:
-        """The ticket's fields of its job log entry."""
-        return TicketFields(
-            thread_id=self.thread_id,
-            turn=self.turn,
-            step=self.step,
-            covers=self.covers,
-            last_message_id=self.last_message_id,
-            leg=self.leg,
-        )
+        """The ticket's fields of its job log entry (every ``TicketFields`` key, read off the ticket)."""
+        return cast(TicketFields, {name: getattr(self, name) for name in TICKET_FIELDS})
 
     @classmethod
     def of(cls, fields: Mapping[str, Any], namespace: tuple[str, ...], attempt: int) -> JobTicket:
         """The ticket of a logged run (``fields``: its entry), as a re-run takes it up."""
-        return cls(
-            namespace=namespace,
-            thread_id=fields["thread_id"],
-            turn=fields["turn"],
-            step=fields["step"],
-            covers=fields["covers"],
-            last_message_id=fields.get("last_message_id"),
-            leg=fields["leg"],
-            attempt=attempt,
-        )
+        own: dict[str, Any] = {name: fields.get(name) for name in TICKET_FIELDS}
+        return cls(namespace=namespace, attempt=attempt, **own)
+
+
+#: The ticket's own fields in its job log entry: ``TicketFields``' keys, each an attribute of ``JobTicket``
+#: (a new field is declared in both, and converted by neither).
+TICKET_FIELDS: tuple[str, ...] = tuple(TicketFields.__annotations__)

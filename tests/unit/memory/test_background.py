@@ -255,3 +255,15 @@ def test_records_of_finished_jobs_are_recognised_by_their_key() -> None:
     record: RouteRecord = {"kind": "memory", "extra": {"job_key": "t:0:1"}}  # type: ignore[typeddict-item]
     step: RouteRecord = {"kind": "step", "extra": {"job_key": "t:9:9"}}  # type: ignore[typeddict-item]
     assert folded_keys([record, step]) == {"t:0:1"}
+
+
+def test_a_ticket_round_trips_through_its_job_log_fields_without_a_hand_written_list() -> None:
+    import dataclasses
+
+    from fusion_graph.memory.jobs import TICKET_FIELDS, JobTicket
+
+    # Every field the entry keeps is the ticket's own: a field added to one and not the other fails here.
+    own = {f.name for f in dataclasses.fields(JobTicket)} - {"namespace", "attempt"}
+    assert set(TICKET_FIELDS) == own
+    ticket = JobTicket(NS, "t1", 2, 7, 12, "m-12", "cloud", attempt=3)
+    assert JobTicket.of(ticket.fields(), NS, 3) == ticket
