@@ -98,7 +98,9 @@ def local_start_line(context: FusionContext, settings: FusionSettings, slots: in
 
 def unreachable_reason(error: LlamaServerUnavailable) -> str:
     """Why llama-server could not be read, without the generic start hint (callers give their own)."""
-    return scrub(str(error).split("; start one with: ", 1)[0])
+    from fusion_graph.providers.llama_server import START_HINT_PREFIX
+
+    return scrub(str(error).split("; " + START_HINT_PREFIX, 1)[0])
 
 
 async def check_local_server(

@@ -90,8 +90,8 @@ class JobRunner:
         config: Callbacks and tags of the run (``None`` for detached jobs).
         prime: Prime the reflection slot before a local job (``bench/memory_warm.py`` measures
             what turning it off costs).
-        over_budget: Why the cloud budget moved the jobs off cloud (said in their records).
-        allowed: The links the jobs may use (``None``: every link; off cloud when over the budget).
+        over_budget: Why the cloud budget moved the jobs off cloud (said in their records); no
+            attempt may then fall over to a cloud link.
     """
 
     chain: ProviderChain
@@ -105,7 +105,6 @@ class JobRunner:
     config: RunnableConfig | None = None
     prime: bool = True
     over_budget: str | None = None
-    allowed: frozenset[str] | None = None
 
 
 def _job_body(job: MemoryJob, runner: JobRunner) -> dict[str, Any]:
@@ -133,8 +132,11 @@ async def run_job(
     records: list[RouteRecord] = []
     prefer: str | None = None
     error = ""
-    bounds = Bounds(allowed=runner.allowed, timeout_s=runner.timeout_s)
-    if runner.allowed is not None and not runner.allowed:
+    allowed = None
+    if runner.over_budget is not None:
+        allowed = frozenset(link.id for link in runner.chain.links if link.leg != "cloud")
+    bounds = Bounds(allowed=allowed, timeout_s=runner.timeout_s)
+    if allowed is not None and not allowed:
         why = f"{runner.over_budget}, and no local provider can run it instead"
         return None, [dropped_record(job, "cloud", turn, step, why)], why
     for attempt in range(2):

@@ -371,9 +371,6 @@ class MemoryRuns:
         ``local``); no attempt of it may fall over to a cloud link.
         """
         chain = await self.resolver.chain(context)
-        allowed = None
-        if over_budget is not None:
-            allowed = frozenset(link.id for link in chain.links if link.leg != "cloud")
 
         runner = JobRunner(
             chain=chain,
@@ -388,7 +385,6 @@ class MemoryRuns:
             timeout_s=self.resolver.settings.request_timeout,
             config=config,
             over_budget=over_budget,
-            allowed=allowed,
         )
         mode = context.memory_mode
 

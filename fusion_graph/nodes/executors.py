@@ -86,16 +86,6 @@ class StepOrder:
     sizes: StepSizes | None = None
 
 
-@dataclass(frozen=True)
-class _Decided:
-    """A step's decision as the edge made it: the decision, its signals and sizes, the state it moves."""
-
-    decision: RouteDecision
-    signals: StepSignals
-    sizes: StepSizes
-    update: dict[str, Any]
-
-
 class InferenceNodes:
     """``plan``, ``local``, ``cloud`` and ``repair``, bound to the graph's providers and tools."""
 
@@ -304,14 +294,15 @@ class InferenceNodes:
             else:
                 sizes = await self.measure(state, context, estimates)
         else:  # the edge's, handed over in process; routed again on a resume elsewhere
-            routed = await self._routed(leg, state, runtime)
-            decision, signals, sizes, moved = routed.decision, routed.signals, routed.sizes, routed.update
+            decision, signals, sizes, moved = await self._routed(leg, state, runtime)
         step, turn = state.get("step", 0) + 1, state.get("turn", 0)
         order = StepOrder(leg, "step", step=step, turn=turn, decision=decision, signals=signals, sizes=sizes)
         update, _ = await self._infer(order, state, runtime)
         return {**moved, **update}
 
-    async def _routed(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> _Decided:
+    async def _routed(
+        self, leg: Leg, state: State, runtime: Runtime[FusionContext]
+    ) -> tuple[RouteDecision, StepSignals, StepSizes, dict[str, Any]]:
         """The edge's decision for this step: taken from the handoffs, or the rule applied again."""
         if self.route is None:
             raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
@@ -323,7 +314,7 @@ class InferenceNodes:
             decision = dataclasses.replace(
                 decision, leg=leg, reason=f"{decision.reason} (routed {leg} before)"
             )
-        return _Decided(decision, routed.signals, routed.sizes, routed.update)
+        return decision, routed.signals, routed.sizes, routed.update
 
     async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """A continuation step routed to the local model (llama-server)."""

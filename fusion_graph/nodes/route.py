@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
@@ -40,16 +40,7 @@ from fusion_graph.turn import last_batch, next_route, next_step, pending_calls, 
 #: Every node ``route`` can send the turn to.
 Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
 #: Where the edge after a tool task can send the turn: a complete batch as ``route`` would, else to it.
-AFTER_TOOLS: tuple[str, ...] = (
-    "route",
-    "local",
-    "cloud",
-    "repair",
-    "step_limit",
-    "give_up",
-    "memory",
-    "__end__",
-)
+AFTER_TOOLS: tuple[str, ...] = ("route", *(name for name in get_args(Destination) if name != "tools"))
 
 
 def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:

@@ -77,9 +77,13 @@ def start_command(
 START_NOTE = "(explicit -np keeps one KV cache per slot; context per slot is -c / -np)"
 
 
+#: How the start hint begins (``checks.unreachable_reason`` cuts an error's text there).
+START_HINT_PREFIX = "start one with: "
+
+
 def start_hint(base_url: str) -> str:
     """How to start llama-server where ``base_url`` points, said wherever it cannot be reached."""
-    return f"start one with: {start_command(base_url=base_url)} {START_NOTE}"
+    return f"{START_HINT_PREFIX}{start_command(base_url=base_url)} {START_NOTE}"
 
 
 def server_root(base_url: str) -> str:

@@ -71,7 +71,7 @@ def test_the_reason_carries_the_numbers() -> None:
     assert over_budget(CloudBudget(), CloudSpend(9, 9), None) is None
 
 
-def graph_over(cloud: FakeOpenAI, local: FakeOpenAI, **settings: Any) -> Any:
+def graph_over(cloud: FakeOpenAI, local: FakeOpenAI, store: Any = None, **settings: Any) -> Any:
     return build_graph(
         cloud_model=ChatOpenAI(
             model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
@@ -81,6 +81,7 @@ def graph_over(cloud: FakeOpenAI, local: FakeOpenAI, **settings: Any) -> Any:
         ),
         tools=[lookup],
         checkpointer=InMemorySaver(),
+        store=store,
         settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
     )
 
@@ -235,18 +236,7 @@ async def test_memory_jobs_on_cloud_keep_the_budget_like_every_cloud_call(how: s
         FakeOpenAI([Reply(content="cloud plan", prompt_tokens=1950)]) as cloud,
         FakeOpenAI([Reply(content="{}")] * 8) as local,
     ):
-        graph = build_graph(
-            cloud_model=ChatOpenAI(
-                model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
-            ),
-            local_model=ChatLlamaServer(
-                model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
-            ),
-            tools=[lookup],
-            checkpointer=InMemorySaver(),
-            store=InMemoryStore(),
-            settings=FusionSettings(price_overrides=PRICES, local_slots=2, thread_cloud_budget_usd=0.02),
-        )
+        graph = graph_over(cloud, local, store=InMemoryStore(), thread_cloud_budget_usd=0.02)
         context = FusionContext(max_completion_tokens=16, sub_runners="cloud", memory_mode="inline")
         state = await run(graph, "plan it", how, context)
     jobs = [entry for entry in state["route_log"] if entry["kind"] == "memory"]
@@ -265,18 +255,7 @@ async def test_memory_jobs_on_cloud_run_there_while_the_budget_pays() -> None:
         FakeOpenAI([Reply(content="cloud plan"), *[Reply(content="{}")] * 8]) as cloud,
         FakeOpenAI() as local,
     ):
-        graph = build_graph(
-            cloud_model=ChatOpenAI(
-                model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
-            ),
-            local_model=ChatLlamaServer(
-                model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
-            ),
-            tools=[lookup],
-            checkpointer=InMemorySaver(),
-            store=InMemoryStore(),
-            settings=FusionSettings(price_overrides=PRICES, local_slots=2, thread_cloud_budget_usd=5.0),
-        )
+        graph = graph_over(cloud, local, store=InMemoryStore(), thread_cloud_budget_usd=5.0)
         context = FusionContext(max_completion_tokens=16, sub_runners="cloud", memory_mode="inline")
         state = await run(graph, "plan it", "ainvoke", context)
     jobs = [entry for entry in state["route_log"] if entry["kind"] == "memory"]
