@@ -48,12 +48,12 @@ from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.providers.slots import SlotPool
 from fusion_graph.replay.history import split_system
 from fusion_graph.replay.traces import RecordedTrajectory, load_trajectories
-from fusion_graph.score import DEFAULT_CLOUD_SHARE, Leg
+from fusion_graph.routing.score import DEFAULT_CLOUD_SHARE, Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import approximate_tokens, build_prompt
+from fusion_graph.sizing.turn import next_route, turn_start
 from fusion_graph.state import PromptAnchor, State
 from fusion_graph.tools.batch import batch_notice
-from fusion_graph.turn import next_route, turn_start
 
 #: Tokens one llama-server slot holds in this benchmark.
 SLOT_WINDOW = 8192

@@ -71,8 +71,8 @@ from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.placement import FixedPlacement, Placement, slot_body
 from fusion_graph.providers.slots import SlotPool
-from fusion_graph.records import timings_numbers
-from fusion_graph.score import DEFAULT_HYSTERESIS
+from fusion_graph.routing.records import timings_numbers
+from fusion_graph.routing.score import DEFAULT_HYSTERESIS
 from fusion_graph.sizing.tokens import build_prompt
 
 #: The issue's target: from a thread's second job on, this share of each job's prompt comes from cache.

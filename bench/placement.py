@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fusion_graph.coordination.shared_state import SharedState
+from fusion_graph.coordination.slot_leases import LocalLeases
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
 from fusion_graph.providers.placement import InProcessPlacement, LeasedPlacement, Placer
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.settings import FusionSettings
-from fusion_graph.shared_state import SharedState
-from fusion_graph.slot_leases import LocalLeases
 
 
 async def _no_props(link: ChainLink) -> Any:

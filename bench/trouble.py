@@ -44,8 +44,8 @@ from fusion_graph.replay.history import ReplayedStep
 from fusion_graph.replay.replayed import replay_trajectory
 from fusion_graph.replay.shares import ScoredStep, route_scores, scored_steps
 from fusion_graph.replay.traces import RecordedTrajectory, families
-from fusion_graph.score import TroubleSignals
-from fusion_graph.trouble import ERROR_UNIT
+from fusion_graph.routing.score import TroubleSignals
+from fusion_graph.routing.trouble import ERROR_UNIT
 
 #: Design-rule dials the routing table shows (30 is the default).
 SHARES = (30, 50, 70)

@@ -30,11 +30,11 @@ if TYPE_CHECKING:
     from fusion_graph.providers.chain import ProviderChain
     from fusion_graph.providers.links import ChainLink
     from fusion_graph.providers.llama_server import ChatLlamaServer
-    from fusion_graph.records import RouteRecord
     from fusion_graph.replay import route_history
-    from fusion_graph.routing import decide_leg
+    from fusion_graph.routing.records import RouteRecord
+    from fusion_graph.routing.rule import decide_leg
+    from fusion_graph.routing.score import RouteDecision, score_step
     from fusion_graph.run_queue import FusionGraph
-    from fusion_graph.score import RouteDecision, score_step
     from fusion_graph.settings import FusionSettings
     from fusion_graph.tools import make_workspace_tools
 
@@ -60,14 +60,14 @@ _EXPORTS = {
     "ProviderChain": "fusion_graph.providers.chain",
     "ProviderConfigError": "fusion_graph.errors",
     "ProviderRequestError": "fusion_graph.errors",
-    "RouteDecision": "fusion_graph.score",
-    "RouteRecord": "fusion_graph.records",
+    "RouteDecision": "fusion_graph.routing.score",
+    "RouteRecord": "fusion_graph.routing.records",
     "build_graph": "fusion_graph.agent",
-    "decide_leg": "fusion_graph.routing",
+    "decide_leg": "fusion_graph.routing.rule",
     "drain": "fusion_graph.memory",
     "make_workspace_tools": "fusion_graph.tools",
     "route_history": "fusion_graph.replay",
-    "score_step": "fusion_graph.score",
+    "score_step": "fusion_graph.routing.score",
     "sweep": "fusion_graph.memory",
 }
 

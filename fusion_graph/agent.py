@@ -48,9 +48,9 @@ from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.run_queue import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
+from fusion_graph.sizing.turn import last_batch, pending_calls, wants_tools
 from fusion_graph.state import InputState, State
 from fusion_graph.tools.workspace import make_workspace_tools
-from fusion_graph.turn import last_batch, pending_calls, wants_tools
 
 GRAPH_NAME = "fusion"
 

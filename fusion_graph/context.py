@@ -31,16 +31,15 @@ from pydantic_core import ArgsKwargs
 
 from fusion_graph import prompts
 from fusion_graph.errors import ContextError
-from fusion_graph.ranges import between
-from fusion_graph.routing import check_score_quantiles
-from fusion_graph.score import (
+from fusion_graph.routing.rule import check_score_quantiles
+from fusion_graph.routing.score import (
     DEFAULT_CLOUD_SHARE,
     DEFAULT_HYSTERESIS,
     TROUBLE_WEIGHTS,
     Mode,
     check_trouble_weights,
 )
-from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS
+from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS, between
 
 #: Marks a field as a model name so LangGraph Studio renders a model picker (in the served schema).
 LLM_PICKER = Field(json_schema_extra={"__template_metadata__": {"kind": "llm"}})

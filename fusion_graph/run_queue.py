@@ -28,12 +28,12 @@ from langgraph.graph.state import CompiledStateGraph
 from pydantic import TypeAdapter
 
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.coordination.shared_state import SharedStateUnavailable
 from fusion_graph.errors import InvalidInput, SyncInEventLoop, ThreadBusy
 from fusion_graph.inputs import check_identity, check_input
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.redact import StreamScrubber, registered_secrets, scrub_content, scrub_known
-from fusion_graph.shared_state import SharedStateUnavailable
 from fusion_graph.state import InputState, State
 from fusion_graph.tools.files import check_run_root
 

@@ -5,7 +5,7 @@ These belong to whoever runs the graph, never to whoever calls it: under
 so nothing here can be set per run. A run's context may only *narrow* four of
 them: ``cloud_model`` to one of ``cloud_models``, ``workspace_root`` to a
 directory inside this one (see ``narrow``), and the two cloud budgets to lower
-ones (``budget.cloud_budget``). Read once at graph build from
+ones (``routing.budget.cloud_budget``). Read once at graph build from
 ``FUSION_*`` environment variables (and a ``.env`` file), or passed as
 ``build_graph(settings=...)``.
 """
@@ -14,19 +14,91 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import posixpath
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, SecretStr, ValidationInfo, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from fusion_graph.errors import ContextError
-from fusion_graph.paths import lexical_parts
-from fusion_graph.ranges import between, price, seconds
 
 ENV_PREFIX = "FUSION_"
+
+# Field metadata shared by operator settings and run context: finite ranges with readable errors.
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None  # not a number: pydantic's own type error says so
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got the boolean {value!r}")
+    return value
+
+
+def between(low: float, high: float) -> tuple[Any, ...]:
+    """Range metadata: a message naming the whole valid range, and bounds Studio shows."""
+
+    def check(value: Any) -> Any:
+        _no_bool(value)
+        number = _number(value)
+        if number is not None and (math.isnan(number) or number < low or number > high):
+            raise ValueError(f"must be between {low:g} and {high:g}, got {value!r}")
+        return value
+
+    return (Field(ge=low, le=high, allow_inf_nan=False), BeforeValidator(check))
+
+
+def seconds(high: float = 3600.0) -> tuple[Any, ...]:
+    """Metadata for a duration: greater than 0 and at most ``high`` seconds (never infinite)."""
+
+    def check(value: Any) -> Any:
+        _no_bool(value)
+        number = _number(value)
+        if number is not None and not (0 < number <= high):
+            raise ValueError(f"must be greater than 0 and at most {high:g} seconds, got {value!r}")
+        return value
+
+    return (Field(gt=0, le=high, allow_inf_nan=False), BeforeValidator(check))
+
+
+#: The largest price (USD per million tokens) accepted: far above any real model, never infinite.
+MAX_PRICE = 10_000.0
+
+
+def price(value: Any) -> Any:
+    """A price in USD per million tokens: finite, 0 or more, at most ``MAX_PRICE``."""
+    _no_bool(value)
+    number = _number(value)
+    if number is None or math.isnan(number) or not (0 <= number <= MAX_PRICE):
+        raise ValueError(f"prices must be between 0 and {MAX_PRICE:g} USD per million tokens, got {value!r}")
+    return number
+
+
+def lexical_parts(path: str) -> list[str] | None:
+    """The components of relative ``path`` with ``.`` and ``..`` applied; ``None`` if it climbs above.
+
+    Pure string work (it may run on an event loop): what the names are on disk,
+    symlinks included, is for the caller's descriptor walk to find out.
+    """
+    parts: list[str] = []
+    for name in path.split("/"):
+        if name in ("", "."):
+            continue
+        if name != "..":
+            parts.append(name)
+        elif parts:
+            parts.pop()
+        else:
+            return None
+    return parts
 
 
 def dotenv_value(name: str, path: str = ".env") -> str | None:

@@ -1,6 +1,6 @@
 """Graph state: what the caller sends in, and what the graph keeps per thread.
 
-The route records in it are ``fusion_graph.records``' (no graph runtime there).
+The route records in it are ``fusion_graph.routing.records``' (no graph runtime there).
 """
 
 from __future__ import annotations
@@ -15,23 +15,8 @@ from langgraph.graph.message import add_messages
 # LangGraph server's schema endpoint rejects the latter.
 from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
-from fusion_graph.records import DecisionFields, RouteRecord, add_totals
-from fusion_graph.score import Leg
-
-
-class PendingRoute(DecisionFields):
-    """The decision for the step about to run (checkpointable): what ``route`` hands the executor."""
-
-    step: int
-    leg: Leg
-    estimates: NotRequired[dict[str, dict[str, Any]]]
-    """The prompt estimate per leg the decision used (``estimate.Estimate`` as a dict)."""
-    budget: NotRequired[str]
-    """Why a cloud budget moved the decision local (absent: it did not)."""
-    paced: NotRequired[bool]
-    """Whether the paced dial forced the leg against the band (absent: it did not)."""
-    sizes: NotRequired[dict[str, Any]]
-    """The rest of what the decision was measured with (``measure.StepSizes.as_dict`` less estimates)."""
+from fusion_graph.routing.records import RouteRecord, add_totals
+from fusion_graph.routing.score import Leg
 
 
 class PromptAnchor(TypedDict):
@@ -95,7 +80,7 @@ class State(InputState):
     """Provider that answered the last inference (repairs prefer it)."""
     notice: NotRequired[bool]
     """A batch was trimmed or the loop detector fired since the previous step."""
-    # NOTE: only with ``trouble_signals``: the ``route`` node writes the escalation latch its
+    # NOTE: only with ``trouble_signals``: the step's executor writes the escalation latch its
     # decision leaves (``RouteDecision.latch``), the next one reads it (``routing.Latch``).
     latch: NotRequired[int | None]
     """The step whose trouble latched this turn on cloud until a progress event (``None``: not held)."""
@@ -103,10 +88,6 @@ class State(InputState):
     """Consecutive repairs of malformed tool calls in this turn."""
     repair_error: NotRequired[str | None]
     """Why the last batch needs repair (``None`` when it was valid)."""
-    # NOTE: the routing node decides once and hands the decision to the executor
-    # through this field; the executor clears it when its inference is recorded.
-    route: NotRequired[PendingRoute | None]
-    """The decision for the next continuation step, written by the ``route`` node."""
     stall: NotRequired[Stall | None]
     """Set when every provider failed an inference; resuming the thread retries it."""
     # NOTE: per leg, the last server-reported prompt size of this thread; kept in state so it
@@ -114,7 +95,7 @@ class State(InputState):
     anchors: NotRequired[dict[str, PromptAnchor]]
     """Per leg: the prompt tokens its server last reported and the messages they covered."""
     # NOTE: the paced dial's running count of ``route_log`` (``turn.step_tally``), written by the
-    # ``route`` node only when ``pace_slack`` is set, so a step counts the records appended since
+    # step's executor only when ``pace_slack`` is set, so a step counts the records appended since
     # the last one instead of the whole thread's log. ``route_log`` only grows (its reducer
     # appends), so the first ``records`` records stay the ones counted; a tally that covers more
     # records than the log holds is ignored, and without one the whole log is counted.

@@ -15,7 +15,7 @@ from langchain_core.messages import convert_to_messages
 from bench.traces import Trajectory
 from fusion_graph.context import FusionContext
 from fusion_graph.replay.history import route_history
-from fusion_graph.score import DEFAULT_CLOUD_SHARE, Leg
+from fusion_graph.routing.score import DEFAULT_CLOUD_SHARE, Leg
 
 #: The routing dial the targets are stated for.
 CLOUD_SHARE = DEFAULT_CLOUD_SHARE

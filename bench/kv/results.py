@@ -8,7 +8,7 @@ from typing import Any
 
 from bench.kv.plan import PlannedStep
 from bench.traces import is_swe_file
-from fusion_graph.score import Leg
+from fusion_graph.routing.score import Leg
 
 #: Targets, judged on the SWE-agent traces.
 TARGET_FUSION_OVER_MINIMUM = 1.10

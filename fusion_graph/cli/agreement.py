@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from fusion_graph.records import RouteRecord
+    from fusion_graph.routing.records import RouteRecord
 
 #: Points per score band.
 BAND = 20

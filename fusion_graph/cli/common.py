@@ -31,13 +31,13 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from fusion_graph.records import is_step
 from fusion_graph.redact import scrub, scrub_known
+from fusion_graph.routing.records import is_step
 
 if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
-    from fusion_graph.records import RouteRecord
     from fusion_graph.replay.traces import RecordedTrajectory, StepPrices
+    from fusion_graph.routing.records import RouteRecord
     from fusion_graph.settings import FusionSettings
 
 

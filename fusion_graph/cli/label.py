@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from fusion_graph.replay.labelling import LabelTally
     from fusion_graph.replay.labels import LabelKey, StepToLabel, ToolSource
     from fusion_graph.replay.traces import RecordedTrajectory
-    from fusion_graph.score import Leg
+    from fusion_graph.routing.score import Leg
     from fusion_graph.settings import FusionSettings
 
 #: The completion budget of each question (``replay.labelling.DEFAULT_MAX_TOKENS``; a test keeps them equal).

@@ -19,7 +19,7 @@ from fusion_graph.cli.common import run_prices
 if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
     from fusion_graph.providers.pricing import TokenPrices
-    from fusion_graph.records import RouteRecord
+    from fusion_graph.routing.records import RouteRecord
     from fusion_graph.settings import FusionSettings
 
 

@@ -33,13 +33,13 @@ from fusion_graph.cli.common import (
 from fusion_graph.cli.prices import PricedCosts, cloud_prices, price_note, priced_costs
 from fusion_graph.cli.stores import DEFAULT_DB
 from fusion_graph.cli.tables import add_number_columns, compact_table
-from fusion_graph.records import is_step, kept_local_by_budget
+from fusion_graph.routing.records import is_step, kept_local_by_budget
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from fusion_graph.providers.pricing import TokenPrices
-    from fusion_graph.records import RouteRecord
+    from fusion_graph.routing.records import RouteRecord
 
 #: Characters of a thread's first user message shown by the report.
 FIRST_MESSAGE_CHARS = 40

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from langchain_core.language_models import BaseChatModel
 
     from fusion_graph.context import FusionContext
-    from fusion_graph.records import RouteRecord
+    from fusion_graph.routing.records import RouteRecord
     from fusion_graph.settings import FusionSettings
 
 __all__ = [  # the checks and the live table are part of `run` (re-exported)

@@ -12,18 +12,18 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
-from langchain_openai import ChatOpenAI
+from langchain_openai.chat_models.base import BaseChatOpenAI
 from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
-from fusion_graph.providers.ask import Ask, Bounds, ask
+from fusion_graph.providers.ask import Ask, Bounds, ask, prime_slot
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import Placement, Placer
-from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.records import RouteRecord, unanswered_record
+from fusion_graph.routing.score import Leg, RouteDecision
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def _slot_lock(link: ChainLink, slot: int) -> asyncio.Lock:
     return locks.setdefault((link.as_provider().base_url or link.id, slot), asyncio.Lock())
 
 
-async def prime_reflection_slot(link: ChainLink, slot: int, headers: dict[str, str] | None = None) -> bool:
-    """Make llama-server hold the conversation's prefix for a job on ``slot``; ``True`` if it answered.
+async def prime_reflection_slot(link: ChainLink, placement: Placement, timeout_s: float | None) -> bool:
+    """Make llama-server hold the conversation's prefix for a job on the slot; ``True`` if it answered.
 
     llama-server restores a prompt from its host prompt cache (``--cache-ram``)
     only when the slot it picks would keep less than half of its own content,
@@ -53,23 +53,17 @@ async def prime_reflection_slot(link: ChainLink, slot: int, headers: dict[str, s
     (``--cache-idle-slots``). This one-token request shares nothing with the
     slot's content (the previous job), so it parks that content in the cache
     and snapshots the idle conversation slots; the job that follows then
-    finds its conversation there. Any failure is ignored: the job runs cold.
-    ``headers`` (the thread's routing key) send it to the box the job will run on.
+    finds its conversation there. It goes out as ``ask`` builds every request
+    (``ask.prime_slot``: the placement's slot, ``cache_prompt`` and headers, so
+    the same box). Only OpenAI-compatible servers are primed (an injected model
+    has no slots to park). Any failure is ignored: the job runs cold.
     """
-    model = link.model
-    if not isinstance(model, ChatOpenAI) or model.root_async_client is None:
+    if not isinstance(placement.model or link.model, BaseChatOpenAI):
         return False
     try:
-        await model.root_async_client.completions.create(
-            model=model.model_name,
-            prompt=PRIMER_PROMPT,
-            max_tokens=1,
-            temperature=0,
-            extra_body={"id_slot": slot, "cache_prompt": True},
-            extra_headers=headers,
-        )
+        await prime_slot(link, placement, PRIMER_PROMPT, timeout_s)
     except Exception as error:  # noqa: BLE001 - priming only saves prefill; the job runs anyway
-        logger.debug("priming slot %s of %s failed: %s", slot, link.id, scrub(repr(error)))
+        logger.debug("priming slot %s of %s failed: %s", placement.slot, link.id, scrub(repr(error)))
         return False
     return True
 
@@ -161,8 +155,7 @@ async def run_job(
                 return await call()
             # Priming and the job it primes for stay together (other processes' wait in ``ask``).
             async with _slot_lock(link, placement.slot):
-                headers = dict(placement.headers) if placement.headers else None
-                primed[link.id] = prime and await prime_reflection_slot(link, placement.slot, headers)
+                primed[link.id] = prime and await prime_reflection_slot(link, placement, runner.timeout_s)
                 return await call()
 
         call = Ask(

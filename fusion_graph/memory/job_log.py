@@ -19,7 +19,7 @@ from fusion_graph.memory.store import (
     now_iso,
     search_all,
 )
-from fusion_graph.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from fusion_graph import prompts
-from fusion_graph.score import Leg
+from fusion_graph.routing.score import Leg
 from fusion_graph.sizing.tokens import build_prompt
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.store.base import BaseStore
 
 from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
 from fusion_graph.errors import UsageError
 from fusion_graph.memory import background
 from fusion_graph.memory.job_call import JobRunner, dropped_record, run_job
@@ -43,9 +44,8 @@ from fusion_graph.memory.job_log import (
 from fusion_graph.memory.jobs import DEFAULT_JOBS, JobTicket, MemoryJob
 from fusion_graph.memory.store import store_items
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.records import RouteRecord
 from fusion_graph.redact import scrub
-from fusion_graph.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.routing.records import RouteRecord
 
 logger = logging.getLogger(__name__)
 

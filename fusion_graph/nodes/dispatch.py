@@ -24,8 +24,8 @@ from langgraph.prebuilt.tool_node import AsyncToolCallWrapper
 from langgraph.types import Send
 
 from fusion_graph.context import FusionContext
+from fusion_graph.sizing.turn import turn_start
 from fusion_graph.tools.batch import plan_batch
-from fusion_graph.turn import turn_start
 
 #: Argument names that say which file a call touches (calls on one file keep their order).
 PATH_ARGUMENTS = ("path", "file", "file_path", "filename")

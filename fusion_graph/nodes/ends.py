@@ -13,7 +13,7 @@ from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import ChainExhausted, StateError
 from fusion_graph.internals import is_resuming
-from fusion_graph.records import Attempt
+from fusion_graph.routing.records import Attempt
 from fusion_graph.state import State
 
 

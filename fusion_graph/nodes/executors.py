@@ -2,20 +2,18 @@
 
 Each makes one inference through the provider chain (``providers.ask.ask``),
 checks the answer's tool batch (``dispatch.check_batch``) and writes both in
-one update. Continuation steps act on the decision the ``route`` node handed
-over in ``state["route"]``; they never score again. Before the call the fit
-rule (``providers.measure.Sizer.prepare``) keeps the step off links whose
-window cannot hold it, compacting the history when none can, and the budget
-guard (``budget.check_budget``) keeps it, and its fallover, off cloud when
-the cloud budget cannot pay for it; after it, the answering leg's report
-becomes that leg's anchor for the next estimate.
+one update. Each carries out a ``route.StepOrder`` made once (the plan's and a
+repair's here, a continuation step's by the routing rule) and never decides
+again: the budget check in the order binds the step and its fallover. Before
+the call the fit rule (``providers.measure.Sizer.prepare``) keeps the step off
+links whose window cannot hold it, compacting the history when none can; after
+it, the answering leg's report becomes that leg's anchor for the next estimate.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.messages import AIMessage
@@ -24,24 +22,23 @@ from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
-from fusion_graph.budget import BudgetCheck
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import StateError
 from fusion_graph.inputs import check_new_turn, thread_id_of
 from fusion_graph.memory.background import inference_running
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.nodes.memory import Recall, TurnStart
-from fusion_graph.nodes.route import RouteNode, step_key
-from fusion_graph.nodes.shadow import ShadowChecks, picked
+from fusion_graph.nodes.route import RouteNode, StepOrder, order_step, step_key
+from fusion_graph.nodes.shadow import ShadowChecks
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
-from fusion_graph.providers.measure import Prepared, Sizer, StepSizes, overflowed
+from fusion_graph.providers.measure import Prepared, Sizer, overflowed
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.records import StepKind, add_totals, records_totals, unanswered_record
-from fusion_graph.score import Leg, RouteDecision, StepSignals
-from fusion_graph.sizing.estimate import Estimate
+from fusion_graph.routing.budget import BudgetCheck
+from fusion_graph.routing.records import StepKind, add_totals, records_totals, unanswered_record
+from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt
+from fusion_graph.sizing.turn import next_route
 from fusion_graph.state import State
-from fusion_graph.turn import from_pending, handed_estimates, next_route
 
 #: State fields with reducers: what a node writes there is always new.
 _APPENDED = frozenset({"messages", "route_log", "totals"})
@@ -59,31 +56,6 @@ def only_changes(state: State, update: dict[str, Any]) -> dict[str, Any]:
         for key, value in update.items()
         if key in _APPENDED or key not in current or current[key] != value
     }
-
-
-@dataclass(frozen=True)
-class StepOrder:
-    """One inference an executor node is about to run, decided and (but for repairs) measured.
-
-    Attributes:
-        node: The node that runs it (where a resume retries it).
-        kind: ``plan``, ``step`` or ``repair``.
-        step: Step index in the turn.
-        turn: Turn index in the thread.
-        decision: The routing decision (the leg it starts on, and why).
-        signals: The signals it was scored on (``None`` for a repair: never re-scored).
-        prefer_provider: A provider to start with while healthy (a repair's).
-        sizes: Windows and estimates already measured for the decision.
-    """
-
-    node: str
-    kind: StepKind
-    step: int
-    turn: int
-    decision: RouteDecision
-    signals: StepSignals | None
-    prefer_provider: str | None = None
-    sizes: StepSizes | None = None
 
 
 class InferenceNodes:
@@ -109,15 +81,6 @@ class InferenceNodes:
         self.route = route
         self.shadows = ShadowChecks()
 
-    async def measure(
-        self, state: State, context: FusionContext, known: dict[str, Estimate] | None = None
-    ) -> StepSizes:
-        """Windows, estimates and the context budget of the step about to run on ``state``."""
-        chain = await self.resolver.chain(context)
-        return await self.sizer.measure(
-            chain, state.get("messages", []), state.get("anchors") or {}, context, known=known
-        )
-
     async def _infer(
         self, order: StepOrder, state: State, runtime: Runtime[FusionContext]
     ) -> tuple[dict[str, Any], bool]:
@@ -128,18 +91,16 @@ class InferenceNodes:
         anyway, the history is compacted further and the inference runs once more.
         """
         node, kind, step, turn = order.node, order.kind, order.step, order.turn
+        decision, check = order.decision, order.check
         context = ensure_context(runtime.context)
         chain = await self.resolver.chain(context)
         thread_id = thread_id_of(get_config())
         anchors = dict(state.get("anchors") or {})
         messages = state.get("messages", [])
-        sizes = order.sizes or await self.sizer.measure(chain, messages, anchors, context)
-        # The budget binds the whole walk: a step it keeps local never falls over to cloud past it,
-        # and the fit rule sees the leg the budget left it on.
-        check = self.sizer.check_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
-        decision = check.guard(order.decision)
-        prepared = await self.sizer.prepare(chain, decision.leg, messages, anchors, context, sizes=sizes)
-        shadowed = decision.leg == "local" and picked(thread_id, turn, step, context.shadow_share)
+        prepared = await self.sizer.prepare(
+            chain, decision.leg, messages, anchors, context, sizes=order.sizes
+        )
+        shadowed = order.shadow
         if shadowed:  # the cloud leg asked beside the step, never waited for
             shadowed = self._shadow(chain, prepared, check, context, order, thread_id)
         async with inference_running(thread_id):  # a memory job beside this step starts after it
@@ -207,7 +168,6 @@ class InferenceNodes:
             "provider": record["provider"],
             "notice": batch.notice,
             "repair_error": batch.repair_error,
-            "route": None,
             "stall": None,
             "anchors": anchors,
         }
@@ -255,7 +215,8 @@ class InferenceNodes:
         recalled = start.message
         if recalled is not None:
             state = {**state, "messages": [*state["messages"], recalled]}
-        sizes = await self.measure(state, context)
+        chain = await self.resolver.chain(context)
+        sizes = await self.sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
         decision, signals = next_route(
             state,
             context,
@@ -266,7 +227,18 @@ class InferenceNodes:
             tools=self.tools,
         )
         turn = state.get("turn", -1) + 1
-        order = StepOrder("plan", "plan", step=0, turn=turn, decision=decision, signals=signals, sizes=sizes)
+        order = await order_step(
+            self.sizer,
+            state,
+            context,
+            node="plan",
+            kind="plan",
+            step=0,
+            turn=turn,
+            decision=decision,
+            signals=signals,
+            sizes=sizes,
+        )
         update, answered = await self._infer(order, state, runtime)
         if not answered:
             return update
@@ -282,39 +254,23 @@ class InferenceNodes:
         return update
 
     async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """Carry out the decision that sent this step here: the ``route`` node's, else the edge's."""
-        context = ensure_context(runtime.context)
-        pending = state.get("route")
-        moved: dict[str, Any] = {}
-        if pending is not None and pending["leg"] == leg:  # the route node's, in the checkpoint
-            decision, signals = from_pending(pending)
-            estimates = handed_estimates(pending)
-            if estimates is not None and "sizes" in pending:  # measured by route for this very state
-                sizes = StepSizes.handed(pending["sizes"], estimates)
-            else:
-                sizes = await self.measure(state, context, estimates)
-        else:  # the edge's, handed over in process; routed again on a resume elsewhere
-            decision, signals, sizes, moved = await self._routed(leg, state, runtime)
-        step, turn = state.get("step", 0) + 1, state.get("turn", 0)
-        order = StepOrder(leg, "step", step=step, turn=turn, decision=decision, signals=signals, sizes=sizes)
-        update, _ = await self._infer(order, state, runtime)
-        return {**moved, **update}
+        """Carry out the order that sent this step here: handed over in process, else the rule's again.
 
-    async def _routed(
-        self, leg: Leg, state: State, runtime: Runtime[FusionContext]
-    ) -> tuple[RouteDecision, StepSignals, StepSizes, dict[str, Any]]:
-        """The edge's decision for this step: taken from the handoffs, or the rule applied again."""
+        A run resumed in another process finds no handoff; the rule is a function
+        of the state, so applied again it decides the same.
+        """
         if self.route is None:
             raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
         routed = self.route.handoffs.take(step_key(state)) or await self.route.decide(state, runtime)
-        if routed.decision is None or routed.signals is None or routed.sizes is None:
+        order = routed.order
+        if order is None:
             raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
-        decision = routed.decision
-        if decision.leg != leg:  # a resume whose rule now reads otherwise: the leg already chosen holds
-            decision = dataclasses.replace(
-                decision, leg=leg, reason=f"{decision.reason} (routed {leg} before)"
-            )
-        return decision, routed.signals, routed.sizes, routed.update
+        if order.decision.leg != leg:  # a resume whose rule now reads otherwise: the leg already chosen holds
+            reason = f"{order.decision.reason} (routed {leg} before)"
+            decision = dataclasses.replace(order.decision, leg=leg, reason=reason)
+            order = dataclasses.replace(order, node=leg, decision=decision, shadow=False)
+        update, _ = await self._infer(order, state, runtime)
+        return {**routed.update, **update}
 
     async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
         """A continuation step routed to the local model (llama-server)."""
@@ -340,9 +296,12 @@ class InferenceNodes:
             reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
             f"kept on the {leg} leg that made it",
         )
-        order = StepOrder(
-            "repair",
-            "repair",
+        order = await order_step(
+            self.sizer,
+            state,
+            context,
+            node="repair",
+            kind="repair",
             step=state.get("step", 0) + 1,
             turn=state.get("turn", 0),
             decision=decision,
@@ -376,7 +335,6 @@ def _over_budget_end(
         "messages": [*prepared.changes, AIMessage(prompts.OVER_BUDGET.format(fit=fit, why=why))],
         "route_log": [record],
         "step": order.step,
-        "route": None,
         "stall": None,
         "repair_error": None,
     }

@@ -33,9 +33,9 @@ from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.memory.store import memory_message, namespace_of, recall
 from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.measure import Sizer
-from fusion_graph.records import RouteRecord, records_totals
+from fusion_graph.routing.records import RouteRecord, records_totals
+from fusion_graph.sizing.turn import turn_start
 from fusion_graph.state import State
-from fusion_graph.turn import turn_start
 
 logger = logging.getLogger(__name__)
 

@@ -7,19 +7,22 @@ on llama-server's last report for this thread) against the local window's
 usable part; a cloud step the cloud budget cannot pay for goes local (the
 budget guard).
 
-A batch of one call (the usual step) is routed by the edge after ``tools``,
-which hands its decision to the executor in process (``Handoffs``): no extra
-superstep, no checkpoint of its own. A batch of several calls runs as parallel
-tasks that each see only their own result, so they join at the ``route`` node,
-which hands its decision over in ``state["route"]``. Either way the node that
-runs the step records exactly the decision that sent it there.
+A batch of one call (the usual step) is routed by the edge after ``tools``:
+no extra superstep, no checkpoint of its own. A batch of several calls runs as
+parallel tasks that each see only their own result, so they join at the
+``route`` node, which writes nothing. Either way the decision is one value, a
+``StepOrder``, handed to the executor in process (``Handoffs``); an executor
+that finds none (a run resumed in another process) applies the rule to the
+same state again, which decides the same. ``order_step`` makes every step's
+order, the plan's and a repair's too: the one place a step is measured, priced
+against the cloud budget and picked for a shadow check.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from langchain_core.messages import ToolMessage
@@ -31,11 +34,14 @@ from langgraph.types import Command, Send
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.inputs import thread_id_of
 from fusion_graph.nodes.dispatch import sends
+from fusion_graph.nodes.shadow import picked
 from fusion_graph.providers.measure import Sizer, StepSizes
-from fusion_graph.score import RouteDecision, StepSignals
+from fusion_graph.routing.budget import BudgetCheck
+from fusion_graph.routing.records import StepKind
+from fusion_graph.routing.score import RouteDecision, StepSignals
 from fusion_graph.sizing.tokens import TokenCounter
+from fusion_graph.sizing.turn import last_batch, next_route, next_step, pending_calls, step_tally
 from fusion_graph.state import State
-from fusion_graph.turn import last_batch, next_route, next_step, pending_calls, step_tally, to_pending
 
 #: Every node ``route`` can send the turn to.
 Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
@@ -56,23 +62,79 @@ def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
 
 
 @dataclass(frozen=True)
+class StepOrder:
+    """One inference, decided once: the leg it starts on and why, its sizes, what the budget allows.
+
+    The executor carries it out without deciding again; what only the call can
+    tell (a provider down, a window the server says overflowed) is the chain's
+    fallover and the fit rule's compaction, not a second decision.
+
+    Attributes:
+        node: The node that runs it (where a resume retries it).
+        kind: ``plan``, ``step`` or ``repair``.
+        step: Step index in the turn.
+        turn: Turn index in the thread.
+        decision: The routing decision, after the budget guard (the leg it starts on, and why).
+        signals: The signals it was scored on (``None`` for a repair: never re-scored).
+        sizes: Windows and estimates it was measured with.
+        check: What the cloud budget allows it (binds its fallover too).
+        shadow: Whether the cloud leg is asked beside it (``FusionContext.shadow_share``).
+        prefer_provider: A provider to start with while healthy (a repair's).
+    """
+
+    node: str
+    kind: StepKind
+    step: int
+    turn: int
+    decision: RouteDecision
+    signals: StepSignals | None
+    sizes: StepSizes
+    check: BudgetCheck
+    shadow: bool = False
+    prefer_provider: str | None = None
+
+
+async def order_step(
+    sizer: Sizer,
+    state: State,
+    context: FusionContext,
+    *,
+    node: str,
+    kind: StepKind,
+    step: int,
+    turn: int,
+    decision: RouteDecision,
+    signals: StepSignals | None,
+    sizes: StepSizes | None = None,
+    prefer_provider: str | None = None,
+) -> StepOrder:
+    """``decision`` as a step's order: measured (unless ``sizes``), guarded by the budget, shadow picked.
+
+    The one budget rule for every step: a cloud step the cloud budget cannot pay
+    for runs local, and the check binds the step's fallover.
+    """
+    chain = await sizer.resolver.chain(context)
+    anchors = state.get("anchors") or {}
+    if sizes is None:
+        sizes = await sizer.measure(chain, state.get("messages", []), anchors, context)
+    check = sizer.check_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
+    decision = check.guard(decision)
+    shadow = decision.leg == "local" and picked(thread_id_of(get_config()), turn, step, context.shadow_share)
+    return StepOrder(node, kind, step, turn, decision, signals, sizes, check, shadow, prefer_provider)
+
+
+@dataclass(frozen=True)
 class Routed:
-    """Where the turn goes after a batch and, for a step on a leg, the decision that sends it there.
+    """Where the turn goes after a batch and, for a step on a leg, the order that sends it there.
 
     Attributes:
         goto: The destination(s): a node name, ``[leg, "memory"]``, or the next wave's ``Send``s.
-        step: The step about to run (when ``decision`` is set).
-        decision: The routing decision of that step (``None``: not a step on a leg).
-        signals: The signals it was scored on.
-        sizes: Windows and estimates it was measured with, so the executor need not measure again.
+        order: The step's order (``None``: not a step on a leg).
         update: State the decision moves besides the step (the escalation latch, the pace's tally).
     """
 
     goto: Destination | list[Send | Destination]
-    step: int = 0
-    decision: RouteDecision | None = None
-    signals: StepSignals | None = None
-    sizes: StepSizes | None = None
+    order: StepOrder | None = None
     update: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,30 +221,39 @@ class RouteNode:
             budget=sizes.budget,
             tools=list(self.tools.values()),
         )
-        if decision.leg == "cloud":  # a step the cloud budget cannot afford runs local
-            anchors, log = state.get("anchors") or {}, state.get("route_log", [])
-            check = self.sizer.check_budget(chain, sizes, anchors, log, state.get("turn", 0), context)
-            decision = check.guard(decision)
+        turn = state.get("turn", 0)
+        order = await order_step(
+            self.sizer,
+            state,
+            context,
+            node=decision.leg,
+            kind="step",
+            step=step,
+            turn=turn,
+            decision=decision,
+            signals=signals,
+            sizes=sizes,
+        )
+        leg = order.decision.leg  # the budget guard may have moved it local
+        if leg != decision.leg:
+            order = replace(order, node=leg)
         update: dict[str, Any] = {}
         if decision.latch != state.get("latch"):  # the escalation latch (trouble_signals) moved
             update["latch"] = decision.latch
         if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
             update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))
         every = context.memory_every_k_steps
-        goto: Destination | list[Send | Destination] = decision.leg
+        goto: Destination | list[Send | Destination] = leg
         if every and step % every == 0 and self.memory_on(runtime):
-            goto = [decision.leg, "memory"]  # beside the next step
-        return Routed(goto=goto, step=step, decision=decision, signals=signals, sizes=sizes, update=update)
+            goto = [leg, "memory"]  # beside the next step
+        return Routed(goto=goto, order=order, update=update)
 
     async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
-        """The ``route`` node: the rule's decision, handed to the executor in ``state["route"]``."""
+        """The ``route`` node: a joined batch's decision, handed to the executor in process."""
         routed = await self.decide(state, runtime)
-        if routed.decision is None or routed.signals is None or routed.sizes is None:
-            return Command(goto=routed.goto)
-        handed = to_pending(
-            routed.step, routed.decision, routed.signals, routed.sizes.estimates, routed.sizes.as_dict()
-        )
-        return Command(update={**routed.update, "route": handed}, goto=routed.goto)
+        if routed.order is not None:
+            self.handoffs.give(step_key(state), routed)
+        return Command(goto=routed.goto)
 
     async def after_tools(self, state: State, runtime: Runtime[FusionContext]) -> Any:
         """The edge after a tool task: a batch this task completed is routed here, else it joins at ``route``.
@@ -193,6 +264,6 @@ class RouteNode:
         if pending_calls(state["messages"]):
             return "route"
         routed = await self.decide(state, runtime)
-        if routed.decision is not None:
+        if routed.order is not None:
             self.handoffs.give(step_key(state), routed)
         return routed.goto

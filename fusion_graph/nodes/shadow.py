@@ -24,13 +24,13 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.tools import BaseTool
 from langgraph.constants import TAG_NOSTREAM
 
-from fusion_graph.budget import BudgetCheck
 from fusion_graph.providers.ask import Ask, Asked, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.placement import Placer
-from fusion_graph.records import RouteRecord, action, same_action
 from fusion_graph.redact import scrub
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.budget import BudgetCheck
+from fusion_graph.routing.records import RouteRecord, action, same_action
+from fusion_graph.routing.score import Leg, RouteDecision
 
 logger = logging.getLogger(__name__)
 

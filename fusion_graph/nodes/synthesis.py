@@ -29,11 +29,11 @@ from fusion_graph.errors import ProviderRequestError, StateError
 from fusion_graph.inputs import thread_id_of
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, Bounds, ask
 from fusion_graph.providers.measure import Sizer
-from fusion_graph.records import totals_of, unanswered_record
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.records import totals_of, unanswered_record
+from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import build_prompt
+from fusion_graph.sizing.turn import last_ai
 from fusion_graph.state import State
-from fusion_graph.turn import last_ai
 
 #: Name of the instruction message sent with the synthesis call (never stored in the thread).
 SYNTHESIS_MESSAGE_NAME = "resynthesize"

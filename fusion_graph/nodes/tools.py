@@ -31,8 +31,8 @@ from fusion_graph.inputs import thread_id_of
 from fusion_graph.nodes.dispatch import make_tool_node
 from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.sampling import sampling_scope
-from fusion_graph.records import RouteRecord, records_totals
 from fusion_graph.redact import scrub_content
+from fusion_graph.routing.records import RouteRecord, records_totals
 from fusion_graph.tools.output_cap import cap_output
 
 

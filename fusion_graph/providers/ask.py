@@ -2,7 +2,7 @@
 
 Every inference comes through here: the steps (plan, continuation steps,
 repairs), the re-synthesis of a reply, the memory jobs, MCP samples and
-shadow checks (every ``records.StepKind``). So
+shadow checks (every ``routing.records.StepKind``). So
 every call is made and recorded the same way:
 
 - a local link gets the request's ``Placement`` (the slot as ``id_slot`` +
@@ -15,7 +15,9 @@ every call is made and recorded the same way:
   uncaught exception;
 - one ``route_log`` entry (who answered, which attempts failed before, what
   it cost at the answering provider's prices), also for a call no provider
-  answered (``records.unanswered_record``);
+  answered (``routing.records.unanswered_record``);
+- a slot's priming request (``prime_slot``, before a memory job) is built by
+  the same request builder on the same placement, and is never recorded;
 - where a ``writer`` is given, two custom stream events
   (``stream_mode="custom"``: the decision before the call, the outcome after),
   and leg/score tags and metadata on the model run (LangGraph Studio and
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config, merge_configs
 from langchain_core.tools import BaseTool
@@ -44,8 +46,15 @@ from fusion_graph.providers.chain import ChainOutcome, ProviderChain
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import NOWHERE, Placement, Placer
 from fusion_graph.providers.pricing import price
-from fusion_graph.records import Attempt, RouteRecord, StepKind, attempt_dict, make_record, unanswered_record
-from fusion_graph.score import RouteDecision, StepSignals
+from fusion_graph.routing.records import (
+    Attempt,
+    RouteRecord,
+    StepKind,
+    attempt_dict,
+    make_record,
+    unanswered_record,
+)
+from fusion_graph.routing.score import RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
 
 ROUTE_EVENT = "fusion_route"
@@ -81,7 +90,7 @@ class Ask:
     """One inference to make: what it is, where it was sent, and what it sends.
 
     Attributes:
-        kind: What the inference is for (``records.StepKind``).
+        kind: What the inference is for (``routing.records.StepKind``).
         turn: Index of the turn.
         step: Index of the inference in its turn (a side inference: the step it sits beside).
         decision: The router's (or the kind's own rule's) decision: the leg it starts on, and why.
@@ -243,6 +252,33 @@ async def _model_call(
             f"{link.id} answered something that is not a chat completion ({type(error).__name__}: {error})"
         ) from error
     return answer if isinstance(answer, AIMessage) else AIMessage(content=answer.content)
+
+
+#: The decision of a priming request: a slot's housekeeping, not a step (never recorded).
+PRIMING = RouteDecision("local", None, None, "prime the reserved slot")
+
+
+async def prime_slot(link: ChainLink, placement: Placement, text: str, timeout_s: float | None) -> None:
+    """A one-token request of ``text`` on ``placement``'s slot, built as every attempt is; unrecorded.
+
+    Kept out of the run's callbacks and streams: it answers nothing the caller asked.
+
+    Raises:
+        Exception: Whatever the call raised (the caller decides whether priming matters).
+    """
+    call = Ask(
+        kind="memory",
+        turn=0,
+        step=0,
+        decision=PRIMING,
+        prompt=(HumanMessage(text),),
+        thread_id="",
+        kwargs={"temperature": 0},
+        max_tokens=1,
+    )
+    kwargs = request_kwargs(link, call, placement, Bounds())
+    config: RunnableConfig = {"callbacks": [], "tags": ["nostream"], "run_name": "prime:local"}
+    await _model_call(placement.model or link.model, call.prompt, config, link, timeout_s, kwargs)
 
 
 class _Walk:

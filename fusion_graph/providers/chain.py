@@ -43,9 +43,9 @@ from fusion_graph.providers.health import (
     retry_after,
 )
 from fusion_graph.providers.links import ChainLink
-from fusion_graph.records import Attempt
 from fusion_graph.redact import scrub, scrub_content
-from fusion_graph.score import Leg
+from fusion_graph.routing.records import Attempt
+from fusion_graph.routing.score import Leg
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import openai
 
 from fusion_graph.errors import MalformedAnswer
-from fusion_graph.records import ErrorClass
 from fusion_graph.redact import scrub
+from fusion_graph.routing.records import ErrorClass
 
 #: Errors that count against a provider (``misconfigured``: 401/403/404, a bad key, model or URL).
 HEALTH_FAILURES: frozenset[ErrorClass] = frozenset(

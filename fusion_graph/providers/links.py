@@ -11,7 +11,7 @@ from langchain_openai import ChatOpenAI
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import Pricing, pricing_for
 from fusion_graph.redact import register_model_secrets
-from fusion_graph.score import Leg
+from fusion_graph.routing.score import Leg
 
 Closer = Callable[[BaseChatModel], Awaitable[None]]
 

@@ -21,7 +21,6 @@ import httpx
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.tools import BaseTool
 
-from fusion_graph.budget import UNLIMITED, BudgetCheck, StepPrice, check_budget, expected_completion
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import ChainExhausted, ContextError
 from fusion_graph.providers.ask import Bounds
@@ -30,8 +29,9 @@ from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import count_prompt_tokens
 from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.records import RouteRecord
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.budget import UNLIMITED, BudgetCheck, StepPrice, check_budget, expected_completion
+from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.compaction import Compaction, compact
 from fusion_graph.sizing.estimate import Estimate, fingerprint, leg_estimate, new_anchor
 from fusion_graph.sizing.fit import FitPlan, LinkRoom, completion_budget, conversation_budget, plan_fit
@@ -58,22 +58,6 @@ class StepSizes:
     budget: int
     score_leg: Leg
     key: str
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data for a handed decision: windows, budget, score leg and key (estimates apart)."""
-        return {
-            "windows": dict(self.windows),
-            "budget": self.budget,
-            "score_leg": self.score_leg,
-            "key": self.key,
-        }
-
-    @classmethod
-    def handed(cls, data: Mapping[str, Any], estimates: Mapping[str, Estimate]) -> StepSizes:
-        """The sizes a ``route`` decision was measured with (the inverse of ``as_dict``)."""
-        return cls(
-            dict(data["windows"]), dict(estimates), int(data["budget"]), data["score_leg"], data["key"]
-        )
 
     @property
     def score_tokens(self) -> int:
@@ -209,13 +193,8 @@ class Sizer:
         messages: Sequence[BaseMessage],
         anchors: Mapping[str, PromptAnchor],
         context: FusionContext,
-        *,
-        known: Mapping[str, Estimate] | None = None,
     ) -> StepSizes:
         """Windows, per-leg estimates and the context budget of the step about to run on ``messages``.
-
-        ``known`` estimates (handed over by the route node) are reused, so
-        llama-server is asked to count a prompt at most once.
 
         Raises:
             ContextError: An explicit ``conversation_max_tokens`` is larger than the local window holds.
@@ -229,10 +208,6 @@ class Sizer:
         unanchored: Estimate | None = None  # the same for every leg without an anchor
         for link in links:
             if link.leg in estimates:
-                continue
-            given = (known or {}).get(link.leg)
-            if given is not None:
-                estimates[link.leg] = given
                 continue
             anchor = anchors.get(link.leg)
             if anchor is None and unanchored is not None:

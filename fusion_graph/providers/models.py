@@ -19,7 +19,7 @@ from fusion_graph.providers.http import loop_safe_client
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
 from fusion_graph.redact import register_secret
-from fusion_graph.score import Leg
+from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 
 #: llama-server ignores the key, but the OpenAI client insists on one.

@@ -6,7 +6,7 @@ graph's one ``Placer`` for a ``Placement`` and sends it as is: the slot as
 box pin where the placer chose the box) with the request. After the answer,
 ``served`` tells the placer which box a gateway answered from.
 
-``LeasedPlacement`` places by leases, one rule (``slot_leases.choose_slot``)
+``LeasedPlacement`` places by leases, one rule (``coordination.slot_leases.choose_slot``)
 on one of two tables: this process's own (``LocalLeases``: an embedded graph,
 one server process) or the deployment's Postgres (``SharedState``: several
 worker processes). A new thread takes a free slot on the box with the fewest
@@ -32,13 +32,13 @@ from typing import Any, Protocol
 
 from langchain_core.language_models import BaseChatModel
 
+from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.coordination.slot_leases import LocalLeases, SlotClaim
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.slots import BoxSlots, SlotPool, box_name, routing_key
-from fusion_graph.score import Leg
+from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
-from fusion_graph.shared_state import SharedState, SharedStateUnavailable
-from fusion_graph.slot_leases import LocalLeases, SlotClaim
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ HOME_POLL_S = 0.05
 
 
 class LeaseTable(Protocol):
-    """Where leases are kept and the rule (``slot_leases.choose_slot``) is run: Postgres or this process."""
+    """Where leases are kept and the rule (``slot_leases.choose_slot``) runs: Postgres or this process."""
 
     async def claim_slot(
         self,

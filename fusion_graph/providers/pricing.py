@@ -30,11 +30,11 @@ from genai_prices import Usage, calc_price
 from genai_prices.data_snapshot import find_provider_by_id, get_snapshot
 from genai_prices.types import TieredPrices
 
-from fusion_graph.budget import StepPrice
 from fusion_graph.errors import ProviderConfigError
 from fusion_graph.providers.models import Provider, model_name
-from fusion_graph.records import RouteRecord
-from fusion_graph.score import Leg
+from fusion_graph.routing.budget import StepPrice
+from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.score import Leg
 
 MILLION = 1_000_000
 

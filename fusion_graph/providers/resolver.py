@@ -20,8 +20,9 @@ from typing import Any
 
 from langchain_core.language_models import BaseChatModel
 
-from fusion_graph.budget import CloudBudget, cloud_budget
 from fusion_graph.context import FusionContext
+from fusion_graph.coordination.shared_state import SharedState
+from fusion_graph.coordination.slot_leases import LocalLeases
 from fusion_graph.errors import Closed, ContextError, ProviderConfigError, UsageError
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.discovery import LocalServers
@@ -32,10 +33,9 @@ from fusion_graph.providers.models import Provider, build_cloud_model, build_loc
 from fusion_graph.providers.placement import InProcessPlacement, LeasedPlacement, Placer
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
 from fusion_graph.providers.slots import BoxSlots, SlotPool
-from fusion_graph.score import Leg
+from fusion_graph.routing.budget import CloudBudget, cloud_budget
+from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
-from fusion_graph.shared_state import SharedState
-from fusion_graph.slot_leases import LocalLeases
 
 logger = logging.getLogger(__name__)
 

@@ -41,16 +41,16 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langgraph.constants import TAG_NOSTREAM
 
-from fusion_graph.budget import UNLIMITED, BudgetCheck, check_budget, expected_completion
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import ProviderRequestError, UsageError
 from fusion_graph.providers.ask import Ask, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.records import RouteRecord, unanswered_record
 from fusion_graph.redact import scrub
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.budget import UNLIMITED, BudgetCheck, check_budget, expected_completion
+from fusion_graph.routing.records import RouteRecord, unanswered_record
+from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import approximate_tokens
 
 if TYPE_CHECKING:

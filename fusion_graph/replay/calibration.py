@@ -11,14 +11,14 @@ score can still be split.
 
 Hysteresis composes by being inside the fit: each entry is found by replaying
 the calibration set with the same band ``decide_leg`` applies around it
-(``routing.hysteresis_band``), so the share it gives already includes the
+(``routing.rule.hysteresis_band``), so the share it gives already includes the
 dead band's effect. A table is therefore learned *for one hysteresis*; the
 context ``calibrate`` returns carries both.
 
 A table alone does not hold its share on trajectories it was not fitted on:
 each set of conversations has its own score distribution, and the steps of one
 conversation rise and fall together. The paced dial (``FusionContext.pace_slack``,
-``routing.paced_leg``) adds feedback: each thread's cloud count is held within
+``routing.rule.paced_leg``) adds feedback: each thread's cloud count is held within
 the slack of its share, and the table, fitted without the pace, still ranks
 the steps inside that slack (which steps are in the top ``s`` percent). It is
 not fitted with the pace inside: a pace of half a step fixes the count whatever
@@ -52,8 +52,8 @@ from dataclasses import dataclass
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.shares import TARGET_KINDS, Shares, TargetOf, Trace, share_of, shares_of, sweep
-from fusion_graph.routing import QUANTILE_TABLE_LENGTH, Latch, hysteresis_band, latch_rule
-from fusion_graph.score import Leg
+from fusion_graph.routing.rule import QUANTILE_TABLE_LENGTH, Latch, hysteresis_band, latch_rule
+from fusion_graph.routing.score import Leg
 
 #: Bars are searched on a grid of hundredths of a point (the precision of ``StepScore.points``).
 GRID = 100

@@ -32,7 +32,7 @@ from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.calibration import check_target, fit_quantiles, share_for
 from fusion_graph.replay.labels import Label, rule_score
 from fusion_graph.replay.shares import ScoredStep, route_scores
-from fusion_graph.score import TROUBLE_WEIGHTS, TroubleSignals
+from fusion_graph.routing.score import TROUBLE_WEIGHTS, TroubleSignals
 
 #: The trouble weights ``calibrate --labels --trouble-signals`` tries (every pair), in points.
 TROUBLE_GRID: dict[str, tuple[int, ...]] = {

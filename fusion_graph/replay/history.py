@@ -1,7 +1,7 @@
 """Replay a recorded conversation through the router, exactly as the graph would route it.
 
 Benchmarks, calibration and notebooks call this instead of re-implementing the
-loop: it drives the graph's own ``turn.next_route`` and budget guard with the
+loop: it drives the graph's own ``sizing.turn.next_route`` and budget guard with the
 state the graph would hold before each assistant message.
 """
 
@@ -15,15 +15,15 @@ from typing import cast
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMessage
 from langchain_core.tools import BaseTool
 
-from fusion_graph.budget import StepPrice, check_budget, cloud_budget, expected_completion
 from fusion_graph.context import FusionContext
-from fusion_graph.records import RouteRecord, StepKind, make_record
-from fusion_graph.score import Leg, RouteDecision, StepSignals
+from fusion_graph.routing.budget import StepPrice, check_budget, cloud_budget, expected_completion
+from fusion_graph.routing.records import RouteRecord, StepKind, make_record
+from fusion_graph.routing.score import Leg, RouteDecision, StepSignals
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
+from fusion_graph.sizing.turn import next_route, step_tally, turn_start
 from fusion_graph.state import State, StepTally
 from fusion_graph.tools.batch import batch_notice
-from fusion_graph.turn import next_route, step_tally, turn_start
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ from fusion_graph.providers.ask import Ask, Bounds, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import Placer
-from fusion_graph.records import same_action
 from fusion_graph.redact import scrub
 from fusion_graph.replay.labels import StepToLabel, label_line
-from fusion_graph.score import RouteDecision
+from fusion_graph.routing.records import same_action
+from fusion_graph.routing.score import RouteDecision
 from fusion_graph.sizing.fit import LinkRoom, completion_budget, fits
 
 #: The completion budget of each question: room for a tool call or a short reply, not an essay.

@@ -5,7 +5,7 @@ message) of a strong model's recorded trajectories, with the prompt and tools
 that step had, and writes one JSONL line per step (``label_line``): where the
 step is (trace, line, trajectory, position, turn, step), its score under the routing
 rule with the signals it was scored from, the recorded action, the local
-model's action and whether they are the same (``records.same_action``; ``null``
+model's action and whether they are the same (``routing.records.same_action``; ``null``
 with the error when the local model gave no answer). ``fusion-graph calibrate
 --labels`` reads them back (``read_labels``) to send the disagreeing steps to
 cloud. A thread store's shadow checks are the same kind of label on real
@@ -29,10 +29,10 @@ from langchain_core.tools import BaseTool, StructuredTool, ToolException
 
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import TraceError
-from fusion_graph.records import RouteRecord, action
 from fusion_graph.replay.history import route_history, split_system
 from fusion_graph.replay.traces import RecordedTrajectory
-from fusion_graph.score import StepScore, StepSignals, TroubleSignals, score_step
+from fusion_graph.routing.records import RouteRecord, action
+from fusion_graph.routing.score import StepScore, StepSignals, TroubleSignals, score_step
 from fusion_graph.sizing.tokens import build_prompt
 
 ToolSource = Literal["recorded", "inferred"]

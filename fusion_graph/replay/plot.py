@@ -25,8 +25,8 @@ from fusion_graph.replay.calibration import Calibration
 from fusion_graph.replay.replayed import ReplayedTrajectory
 from fusion_graph.replay.shares import Shares, TargetOf, scored_steps, sweep
 from fusion_graph.replay.summary import is_latched, is_paced
-from fusion_graph.routing import cloud_threshold, hysteresis_band
-from fusion_graph.score import StepScore, TroubleSignals
+from fusion_graph.routing.rule import cloud_threshold, hysteresis_band
+from fusion_graph.routing.score import StepScore, TroubleSignals
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fusion_graph.budget import CloudBudget, cloud_budget
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.pricing import TokenPrices
 from fusion_graph.replay.history import ReplayedStep, route_history
 from fusion_graph.replay.traces import RecordedTrajectory, StepPrices
+from fusion_graph.routing.budget import CloudBudget, cloud_budget
 from fusion_graph.sizing.tokens import approximate_tokens
 
 

@@ -18,8 +18,8 @@ from fusion_graph.context import FusionContext
 from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.history import ReplayedStep
 from fusion_graph.replay.replayed import add_cost
-from fusion_graph.routing import Latch, Pace, decide_leg
-from fusion_graph.score import Leg, RouteDecision, StepScore, TroubleSignals
+from fusion_graph.routing.rule import Latch, Pace, decide_leg
+from fusion_graph.routing.score import Leg, RouteDecision, StepScore, TroubleSignals
 
 TargetOf = Literal["continuation", "all", "cost"]
 """What a target is a fraction of: continuation steps on cloud, all steps on cloud, or cost."""

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from fusion_graph.budget import CloudBudget
 from fusion_graph.replay.replayed import ReplayedTrajectory, add_cost, cost_at, replay_budget
 from fusion_graph.replay.resynthesis import RESYNTHESIS_PROMPT_TOKENS, ResynthesisCount, resynthesis_count
 from fusion_graph.replay.traces import StepPrices
-from fusion_graph.score import RouteDecision, StepSignals, TroubleSignals
+from fusion_graph.routing.budget import CloudBudget
+from fusion_graph.routing.score import RouteDecision, StepSignals, TroubleSignals
 
 
 def is_paced(decision: RouteDecision) -> bool:

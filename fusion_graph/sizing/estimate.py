@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,15 +42,6 @@ class Estimate:
     basis: Basis
     appended: int = field(default=0, compare=False)
     """Estimated tokens appended since the anchor (``anchored`` only): what the estimator guessed."""
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data for state and records."""
-        return {"tokens": self.tokens, "basis": self.basis, "appended": self.appended}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Estimate:
-        """The inverse of ``as_dict``."""
-        return cls(int(data["tokens"]), data["basis"], int(data.get("appended", 0)))
 
 
 def fingerprint(system_prompt: str, tools: Sequence[BaseTool | dict[str, Any]]) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fusion_graph.errors import ContextError
-from fusion_graph.score import Leg
+from fusion_graph.routing.score import Leg
 
 #: A link's completion budget is at most this share of its window, so a small window still
 #: holds a prompt (a 2,048-token slot with the default 4,096 budget reserves 1,024).

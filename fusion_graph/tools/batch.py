@@ -22,8 +22,8 @@ from langchain_core.tools import BaseTool
 from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
+from fusion_graph.routing.trouble import call_key
 from fusion_graph.sizing.history_memo import HistoryMemo
-from fusion_graph.trouble import call_key
 
 __all__ = [
     "BatchPlan",

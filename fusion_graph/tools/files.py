@@ -32,8 +32,7 @@ from typing import BinaryIO
 from langchain_core.tools import ToolException
 
 from fusion_graph.errors import ContextError, FusionError
-from fusion_graph.paths import lexical_parts
-from fusion_graph.settings import workspace_subpath
+from fusion_graph.settings import lexical_parts, workspace_subpath
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # NOTE: O_NONBLOCK so that opening a FIFO returns at once; fstat then refuses it.

@@ -17,7 +17,7 @@ from langgraph.store.memory import InMemoryStore
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.providers.slots import routing_key
-from fusion_graph.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 from tests.plugins.pool import POOL_MODEL, POOL_SLOTS, LlamaPool, place_keys

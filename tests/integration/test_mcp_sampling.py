@@ -35,7 +35,7 @@ from fusion_graph.context import FusionContext
 from fusion_graph.providers import ProviderResolver
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.sampling import OUTSIDE_THREAD, SamplingCallback, sampling_callback
-from fusion_graph.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing import LlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply

@@ -16,7 +16,7 @@ from fusion_graph import build_graph, make_workspace_tools, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.memory import MemoryJob
 from fusion_graph.memory.job_log import thread_entries
-from fusion_graph.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord
 from fusion_graph_testing import LlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fusion_graph.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
 
 BOXES = ("http://box-a:8080", "http://box-b:8080")
 

@@ -32,9 +32,9 @@ from langgraph.store.memory import InMemoryStore
 
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
+from fusion_graph.coordination.shared_state import RECONNECT_MAX_S, SharedState, SharedStateUnavailable
 from fusion_graph.memory.job_log import thread_entries
 from fusion_graph.settings import FusionSettings
-from fusion_graph.shared_state import RECONNECT_MAX_S, SharedState, SharedStateUnavailable
 from fusion_graph_testing.fault_proxy import FaultProxy
 from fusion_graph_testing.llama_server import LlamaServer
 from fusion_graph_testing.postgres import PostgresCluster
@@ -243,7 +243,7 @@ async def test_any_thread_id_langgraph_accepts_works_and_apps_on_one_database_ne
 
 
 async def test_the_tables_stay_bounded_by_live_work_after_500_threads(database: str) -> None:
-    import fusion_graph.shared_state as shared_state
+    import fusion_graph.coordination.shared_state as shared_state
 
     state = SharedState(database)
     try:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fusion_graph.shared_state import SharedState
+from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from fusion_graph_testing.graph_worker import GraphWorker, prepare_database
 from fusion_graph_testing.llama_server import LlamaServer

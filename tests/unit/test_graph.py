@@ -15,9 +15,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 from fusion_graph import prompts
 from fusion_graph.agent import build_graph
 from fusion_graph.context import FusionContext
-from fusion_graph.score import Leg, Mode
+from fusion_graph.routing.score import Leg, Mode
+from fusion_graph.sizing.turn import next_route
 from fusion_graph.state import State
-from fusion_graph.turn import next_route
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, check_two_turns, scripted, user_input
 
 TASK = "please do the task"

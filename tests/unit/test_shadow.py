@@ -16,7 +16,7 @@ from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.cli.agreement import agreement
 from fusion_graph.nodes.shadow import picked
 from fusion_graph.providers.llama_server import ChatLlamaServer
-from fusion_graph.records import same_action
+from fusion_graph.routing.records import same_action
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 
@@ -190,12 +190,12 @@ async def test_report_shows_agreement_by_score_band(tmp_path: Any) -> None:
 
 
 async def test_a_finished_shadow_of_a_step_that_did_not_answer_locally_is_forgotten() -> None:
-    from fusion_graph.budget import UNLIMITED
     from fusion_graph.nodes.shadow import ShadowChecks
     from fusion_graph.providers.chain import ProviderChain
     from fusion_graph.providers.links import ChainLink
     from fusion_graph.providers.placement import FixedPlacement
     from fusion_graph.providers.pricing import FREE, Pricing
+    from fusion_graph.routing.budget import UNLIMITED
     from tests.plugins.fakes import ScriptedModel
 
     cloud = ChainLink(

@@ -364,13 +364,13 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     steps = [r for r in out["route_log"] if r["kind"] == "step"]
     assert len(steps) == 2 and len(decided) == 2  # a two-call batch (joined at route), then a lone call
     assert [r["score"] for r in steps] == decided
-    assert out.get("route") is None, "the executor clears the decision it acted on"
+    assert "route" not in out, "the decision is handed over in process, not through state"
 
 
 def test_a_sampling_tool_s_own_command_update_is_kept_beside_its_records() -> None:
     from fusion_graph.nodes.tools import with_records
-    from fusion_graph.records import unanswered_record
-    from fusion_graph.score import RouteDecision
+    from fusion_graph.routing.records import unanswered_record
+    from fusion_graph.routing.score import RouteDecision
 
     decision = RouteDecision(leg="local", score=None, threshold=None, reason="a sample")
     record = unanswered_record(turn=0, step=1, kind="sampling", decision=decision)

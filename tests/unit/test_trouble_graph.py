@@ -17,8 +17,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 from fusion_graph.agent import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.replay.history import route_history
+from fusion_graph.routing.score import TROUBLE_WEIGHTS, WEIGHTS
 from fusion_graph.run_queue import FusionGraph
-from fusion_graph.score import TROUBLE_WEIGHTS, WEIGHTS
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, user_input
 
 #: cloud_share 60: T = 40, h = 10, so a local step escalates at 50 and a cloud one stays down to 30.

@@ -59,7 +59,7 @@ def test_walk_sees_the_whole_package() -> None:
         "fusion_graph",
         "fusion_graph.agent",
         "fusion_graph.providers.llama_server",
-        "fusion_graph.routing",
+        "fusion_graph.routing.rule",
     } <= set(names)
     assert all(path.suffix == ".py" and path.is_file() for path in names.values())
 

@@ -45,7 +45,12 @@ LAZY_MODULES = (
 )
 ALLOWED_TOP_LEVEL = {"typer", "rich", "fusion_graph"}
 #: Package modules the command modules may import at import time.
-LIGHT_MODULES = {"fusion_graph.redact", "fusion_graph.errors", "fusion_graph.records", "fusion_graph.routing"}
+LIGHT_MODULES = {
+    "fusion_graph.redact",
+    "fusion_graph.errors",
+    "fusion_graph.routing.records",
+    "fusion_graph.routing.rule",
+}
 
 
 def test_version_prints_the_package_version() -> None:

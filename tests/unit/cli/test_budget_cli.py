@@ -10,8 +10,8 @@ import pytest
 
 from fusion_graph.cli.app import app
 from fusion_graph.cli.report import budget_summary
-from fusion_graph.records import RouteRecord, StepKind, kept_local_by_budget, make_record
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.records import RouteRecord, StepKind, kept_local_by_budget, make_record
+from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 from tests.unit.cli.test_report import PRICED, two_threads
 from tests.unit.cli.test_traces import (

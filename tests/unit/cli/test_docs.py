@@ -241,7 +241,7 @@ def test_the_readme_is_a_first_screen_with_the_ci_test_command() -> None:
 
 
 def test_the_deploying_doc_counts_and_names_every_shared_state_table() -> None:
-    import fusion_graph.shared_state as shared_state
+    import fusion_graph.coordination.shared_state as shared_state
 
     made = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", Path(shared_state.__file__).read_text())
     words = {3: "three", 4: "four", 5: "five", 6: "six"}

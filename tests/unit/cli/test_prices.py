@@ -16,8 +16,8 @@ from fusion_graph.cli.prices import priced_costs
 from fusion_graph.cli.run import run_task
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.pricing import TokenPrices
-from fusion_graph.records import RouteRecord, make_record
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.records import RouteRecord, make_record
+from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI
 from tests.plugins.fakes import scripted
@@ -156,7 +156,7 @@ def test_doctor_warns_when_the_cloud_model_has_no_price(
 
 def test_an_inference_nobody_answered_is_not_unpriced_and_no_price_is_suggested() -> None:
     from fusion_graph.cli.prices import price_note
-    from fusion_graph.records import totals_of, unanswered_record
+    from fusion_graph.routing.records import totals_of, unanswered_record
 
     cloud = TokenPrices(1.0, 2.0, 0.5)
     nobody = unanswered_record(turn=0, step=1, kind="step", decision=RouteDecision("cloud", None, None, "r"))

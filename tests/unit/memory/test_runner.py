@@ -220,7 +220,7 @@ async def test_every_k_steps_runs_memory_beside_the_next_step() -> None:
 
 def local_server(body: dict[str, Any]) -> Reply:
     """The local fake: the priming completion, the memory job (JSON), or the step's answer."""
-    if "prompt" in body:
+    if body["messages"] == [{"role": "user", "content": PRIMER_PROMPT}]:
         return Reply(content="x")
     return Reply(content=GOOD) if "response_format" in body else Reply(content="done")
 
@@ -243,8 +243,9 @@ async def test_local_memory_job_is_primed_on_the_reflection_slot_and_keeps_the_s
     step_body, primer_body, memory_body = local_fake.requests
     conversation_slot = out["route_log"][1]["slot"]
     assert step_body["id_slot"] == conversation_slot and conversation_slot != 3
-    # First a one-token completion on the reserved last slot, then the job on that slot.
-    assert (primer_body["prompt"], primer_body["max_tokens"]) == (PRIMER_PROMPT, 1)
+    # First a one-token request on the reserved last slot (no tools: it shares nothing), then the job.
+    assert primer_body["messages"] == [{"role": "user", "content": PRIMER_PROMPT}]
+    assert (primer_body["max_tokens"], "tools" in primer_body) == (1, False)
     assert primer_body["id_slot"] == 3 and primer_body["cache_prompt"] is True
     assert memory_body["id_slot"] == 3 and memory_body["cache_prompt"] is True
     assert memory_body["response_format"]["type"] == "json_schema"

@@ -23,8 +23,8 @@ from fusion_graph.providers.health import HealthPolicy, RetryPolicy
 from fusion_graph.providers.links import ChainLink, close_chat_model, owned_clients
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import FREE, Pricing
-from fusion_graph.records import Attempt
-from fusion_graph.score import Leg
+from fusion_graph.routing.records import Attempt
+from fusion_graph.routing.score import Leg
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.errors import (
     EPOCH,

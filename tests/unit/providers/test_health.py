@@ -19,7 +19,7 @@ from fusion_graph.providers.health import (
     overflow_numbers,
     retry_after,
 )
-from fusion_graph.records import ErrorClass
+from fusion_graph.routing.records import ErrorClass
 from tests.plugins.errors import (
     EPOCH,
     URL,

@@ -29,8 +29,8 @@ from fusion_graph.providers.pricing import (
     unit_prices,
 )
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.records import RouteRecord, make_record
-from fusion_graph.score import Leg, RouteDecision
+from fusion_graph.routing.records import RouteRecord, make_record
+from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 
 MINI = Pricing.catalog("gpt-4o-mini", provider_id="openai")

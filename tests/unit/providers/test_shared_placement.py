@@ -11,6 +11,8 @@ import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 
+from fusion_graph.coordination.shared_state import SharedState
+from fusion_graph.coordination.slot_leases import LeaseRow, LocalLeases, choose_slot
 from fusion_graph.providers.ask import Ask, ask
 from fusion_graph.providers.chain import ProviderChain, board_key
 from fusion_graph.providers.health import HealthPolicy
@@ -18,11 +20,9 @@ from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
 from fusion_graph.providers.placement import NOWHERE, InProcessPlacement, LeasedPlacement, Placement
 from fusion_graph.providers.pricing import FREE, Pricing
-from fusion_graph.records import StepKind
-from fusion_graph.score import RouteDecision
+from fusion_graph.routing.records import StepKind
+from fusion_graph.routing.score import RouteDecision
 from fusion_graph.settings import FusionSettings
-from fusion_graph.shared_state import SharedState
-from fusion_graph.slot_leases import LeaseRow, LocalLeases, choose_slot
 
 BOXES = ("http://a", "http://b")
 

@@ -16,7 +16,7 @@ from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
 from fusion_graph.replay.resynthesis import resynthesis_count
 from fusion_graph.replay.summary import summarize
 from fusion_graph.replay.traces import RecordedTrajectory, StepPrices, load_trajectories
-from fusion_graph.score import Leg, RouteDecision, StepSignals
+from fusion_graph.routing.score import Leg, RouteDecision, StepSignals
 
 #: $1 in / $2 out per million tokens on cloud; local is free.
 PRICES = StepPrices(TokenPrices(1.0, 2.0, None), TokenPrices(0.0, 0.0, 0.0))

@@ -35,8 +35,8 @@ from fusion_graph.replay.shares import (
     shares_of,
 )
 from fusion_graph.replay.traces import load_trajectories
-from fusion_graph.routing import QUANTILE_TABLE_LENGTH
-from fusion_graph.score import StepScore
+from fusion_graph.routing.rule import QUANTILE_TABLE_LENGTH
+from fusion_graph.routing.score import StepScore
 
 
 def points(value: float) -> StepScore:

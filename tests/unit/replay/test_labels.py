@@ -35,7 +35,7 @@ from fusion_graph.replay.labels import (
     trajectory_tools,
 )
 from fusion_graph.replay.traces import RecordedTrajectory, parse_trajectories
-from fusion_graph.score import StepSignals, TroubleSignals, score_step
+from fusion_graph.routing.score import StepSignals, TroubleSignals, score_step
 
 
 def call(name: str, call_id: str, **args: Any) -> dict[str, Any]:

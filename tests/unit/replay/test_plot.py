@@ -32,8 +32,8 @@ from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
 from fusion_graph.replay.shares import scored_steps, sweep
 from fusion_graph.replay.summary import is_paced
 from fusion_graph.replay.traces import RecordedTrajectory, load_trajectories
-from fusion_graph.routing import hysteresis_band
-from fusion_graph.score import Leg, RouteDecision, StepScore, StepSignals
+from fusion_graph.routing.rule import hysteresis_band
+from fusion_graph.routing.score import Leg, RouteDecision, StepScore, StepSignals
 
 
 @pytest.fixture(autouse=True)

@@ -170,14 +170,9 @@ def test_plan_note_at_cloud_share_0_says_no_plan_is_on_cloud() -> None:
 
 
 def test_whether_a_step_was_paced_is_never_read_from_its_reason() -> None:
-    from fusion_graph.score import RouteDecision
-    from fusion_graph.turn import from_pending, to_pending
-    from tests.unit.test_routing import sig
+    from fusion_graph.routing.score import RouteDecision
 
     worded = RouteDecision("cloud", None, None, "score 3 < 60; paced to cloud: words only")
     assert not is_paced(worded)  # the words alone do not make it paced
     silent = RouteDecision("cloud", None, None, "no words about it", paced=True)
     assert is_paced(silent)
-    # Handed over through the checkpoint by the route node and read back: the field travels.
-    decision, _ = from_pending(to_pending(3, silent, sig()))
-    assert is_paced(decision) and decision == silent

@@ -25,8 +25,8 @@ from fusion_graph.replay.replayed import ReplayedTrajectory, replay_trajectory
 from fusion_graph.replay.shares import ScoredStep, Trace, route_scores, scored_steps, share_of
 from fusion_graph.replay.summary import summarize
 from fusion_graph.replay.traces import RecordedTrajectory, StepPrices
-from fusion_graph.routing import QUANTILE_TABLE_LENGTH
-from fusion_graph.score import TroubleScore, TroubleSignals
+from fusion_graph.routing.rule import QUANTILE_TABLE_LENGTH
+from fusion_graph.routing.score import TroubleScore, TroubleSignals
 
 ON = FusionContext(trouble_signals=True)
 PRICES = StepPrices(TokenPrices(1.0, 2.0, None), TokenPrices(0.0, 0.0, 0.0))

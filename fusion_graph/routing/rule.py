@@ -1,7 +1,7 @@
 """The leg decision: threshold, hysteresis, the plan rule, the paced dial and the escalation latch.
 
 Everything here is a pure function over plain data (the step's score comes from
-``fusion_graph.score``), so the graph, the replay benchmark and calibration all
+``fusion_graph.routing.score``), so the graph, the replay benchmark and calibration all
 call the exact same code and any decision can be reproduced without a model.
 With ``FusionContext.trouble_signals`` the decision goes through the escalation
 latch (``Latch``, ``latch_rule``); off, it is absent and every decision is the
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
-from fusion_graph.score import (
+from fusion_graph.routing.score import (
     DEFAULT_CLOUD_SHARE,
     DEFAULT_HYSTERESIS,
     TROUBLE_WEIGHTS,
@@ -24,7 +24,7 @@ from fusion_graph.score import (
     StepScore,
     TroubleScore,
 )
-from fusion_graph.score import Latch as Latch  # defined beside TroubleSignals, which reads it
+from fusion_graph.routing.score import Latch as Latch  # defined beside TroubleSignals, which reads it
 
 
 def cloud_threshold(cloud_share: int) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 # LangGraph server's schema endpoint rejects the latter.
 from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
-from fusion_graph.score import Leg, RouteDecision, StepSignals
+from fusion_graph.routing.score import Leg, RouteDecision, StepSignals
 
 if TYPE_CHECKING:
     from langchain_core.messages import AIMessage
@@ -61,17 +61,7 @@ class Attempt:
     prompt_tokens: int | None = None
 
 
-class DecisionFields(TypedDict):
-    """A routing decision as plain data: the score, its terms, the threshold, the reason, the signals."""
-
-    score: int | None
-    breakdown: dict[str, float] | None
-    threshold: float | None
-    reason: str
-    signals: dict[str, Any]
-
-
-class RouteRecord(DecisionFields):
+class RouteRecord(TypedDict):
     """One inference of a turn: where it ran, why, who answered and what it cost."""
 
     turn: int
@@ -81,6 +71,12 @@ class RouteRecord(DecisionFields):
     """The leg that answered (differs from ``routed_leg`` after a fallover)."""
     routed_leg: Leg
     """The leg the router (or the repair rule) chose."""
+    score: int | None
+    breakdown: dict[str, float] | None
+    """The score's points per term (``StepScore.breakdown``)."""
+    threshold: float | None
+    reason: str
+    signals: dict[str, Any]
     provider: str | None
     """Id of the provider that answered; ``cost_usd`` is priced at its prices."""
     attempts: list[dict[str, Any]]

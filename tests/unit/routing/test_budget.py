@@ -10,7 +10,8 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import ChainExhausted, FusionContext, FusionSettings, build_graph
-from fusion_graph.budget import (
+from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.routing.budget import (
     COMPLETION_FLOOR,
     CloudBudget,
     CloudSpend,
@@ -21,8 +22,7 @@ from fusion_graph.budget import (
     expected_completion,
     over_budget,
 )
-from fusion_graph.providers.llama_server import ChatLlamaServer
-from fusion_graph.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 

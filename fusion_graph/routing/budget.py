@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fusion_graph.records import RouteRecord, money
-from fusion_graph.score import RouteDecision
+from fusion_graph.routing.records import RouteRecord, money
+from fusion_graph.routing.score import RouteDecision
 
 
 @dataclass(frozen=True)

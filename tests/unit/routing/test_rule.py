@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from fusion_graph import routing, score
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import ContextError
-from fusion_graph.routing import (
+from fusion_graph.routing import rule, score
+from fusion_graph.routing.rule import (
     QUANTILE_TABLE_LENGTH,
     Latch,
     Pace,
@@ -23,7 +23,7 @@ from fusion_graph.routing import (
     hysteresis_band,
     latch_rule,
 )
-from fusion_graph.score import (
+from fusion_graph.routing.score import (
     TROUBLE_WEIGHTS,
     WEIGHTS,
     Leg,
@@ -436,7 +436,7 @@ def run_paced(
 ) -> list[Leg]:
     """Continuation scores through ``decide_leg`` with a pace counted as a thread counts it."""
     leg, legs = start, []
-    pace = None if slack is None else routing.Pace(slack)
+    pace = None if slack is None else rule.Pace(slack)
     for step, value in enumerate(scores, start=1):
         decision = decide_leg(
             mode="fusion",
@@ -529,7 +529,7 @@ def test_the_pace_overrules_the_band_only_at_the_slack_and_says_so() -> None:
         current_leg="local",
         score=score_of(5),
         cloud_share=30,
-        pace=routing.Pace(0.5, steps=2, cloud=0),
+        pace=rule.Pace(0.5, steps=2, cloud=0),
     )
     assert behind.leg == "cloud"
     assert behind.threshold == 80  # the band's bar, which the score missed
@@ -542,7 +542,7 @@ def test_the_pace_overrules_the_band_only_at_the_slack_and_says_so() -> None:
         current_leg="cloud",
         score=score_of(95),
         cloud_share=30,
-        pace=routing.Pace(0.5, steps=2, cloud=1),
+        pace=rule.Pace(0.5, steps=2, cloud=1),
     )
     assert ahead.leg == "local"
     assert "1.1 steps ahead of 30%" in ahead.reason
@@ -552,7 +552,7 @@ def test_the_pace_overrules_the_band_only_at_the_slack_and_says_so() -> None:
         current_leg="cloud",
         score=score_of(95),
         cloud_share=30,
-        pace=routing.Pace(1.5, steps=2, cloud=1),
+        pace=rule.Pace(1.5, steps=2, cloud=1),
     )
     assert within == decide_leg(
         mode="fusion", step=3, current_leg="cloud", score=score_of(95), cloud_share=30
@@ -561,7 +561,7 @@ def test_the_pace_overrules_the_band_only_at_the_slack_and_says_so() -> None:
 
 @pytest.mark.parametrize("cloud", [0, 10])
 def test_the_plan_and_the_ends_of_the_dial_ignore_the_pace(cloud: int) -> None:
-    pace = routing.Pace(0.5, steps=10, cloud=cloud)  # all local (far behind) or all cloud (far ahead)
+    pace = rule.Pace(0.5, steps=10, cloud=cloud)  # all local (far behind) or all cloud (far ahead)
     plan = decide_leg(mode="fusion", step=0, current_leg=None, score=None, cloud_share=10, pace=pace)
     assert plan.leg == "cloud"
     for share, leg in ((0, "local"), (100, "cloud")):
@@ -593,14 +593,14 @@ def test_no_pace_is_the_default() -> None:
 )
 def test_impossible_paces_are_refused(slack: float, steps: int, cloud: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        routing.Pace(slack, steps, cloud)
+        rule.Pace(slack, steps, cloud)
 
 
 def test_paced_leg_forces_at_most_one_leg() -> None:
     for share in range(1, 100):
         for steps in range(30):
             for cloud in range(steps + 1):
-                forced = routing.paced_leg(routing.Pace(0.5, steps, cloud), share)
+                forced = rule.paced_leg(rule.Pace(0.5, steps, cloud), share)
                 behind = share * (steps + 1) / 100 - cloud
                 assert (forced == "cloud") == (behind > 0.5 + 1e-9)
                 assert (forced == "local") == (1 - behind > 0.5 + 1e-9)
@@ -847,7 +847,7 @@ def test_trouble_signals_know_when_the_latch_holds() -> None:
 
 
 def test_one_latch_rule_says_when_it_holds() -> None:
-    assert routing.Latch is score.Latch
+    assert rule.Latch is score.Latch
     assert [Latch().held, Latch(2).held, Latch(2, progress=True).held, Latch(None, True).held] == [
         False,
         True,
@@ -863,14 +863,6 @@ def test_the_base_points_are_the_four_terms_alone() -> None:
     assert plain.base_points == plain.points == round(10.1 + 2.2 + 0 + 0.33, 2)
     scored = trouble_score(40.25, 30.5)
     assert scored.base_points == 40.25 and scored.points == round(40.25 + 30.5 + 0, 2)
-
-
-def test_recorded_signals_and_breakdowns_name_their_class() -> None:
-    plain, with_trouble = sig(), troubled(0.5)
-    assert score.signals_type(vars(plain)) is StepSignals
-    assert score.signals_type(vars(with_trouble)) is TroubleSignals
-    assert score.score_type(score_step(plain).breakdown()) is StepScore
-    assert score.score_type(score_step(with_trouble).breakdown()) is TroubleScore
 
 
 def test_trouble_weights_replace_the_default_points_of_the_trouble_terms() -> None:

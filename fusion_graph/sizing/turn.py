@@ -2,12 +2,12 @@
 
 Pure helpers the nodes, the edges and replay share: read the batch in
 progress, gather the next step's routing signals, and hand them to the
-routing rule (``fusion_graph.routing``).
+routing rule (``fusion_graph.routing.rule``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
@@ -16,18 +16,15 @@ from langchain_core.tools import BaseTool
 
 from fusion_graph.context import FusionContext
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
-from fusion_graph.records import RouteRecord
-from fusion_graph.routing import Pace, decide_leg
-from fusion_graph.score import (
+from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.rule import Pace, decide_leg
+from fusion_graph.routing.score import (
     RouteDecision,
-    StepScore,
     StepSignals,
     TroubleSignals,
     score_step,
-    score_type,
-    signals_type,
 )
-from fusion_graph.sizing.estimate import Estimate
+from fusion_graph.routing.trouble import EMPTY_FOLD, TurnFold, fold_trouble, fold_turn
 from fusion_graph.sizing.fit import conversation_budget
 from fusion_graph.sizing.history_memo import HistoryMemo
 from fusion_graph.sizing.tokens import (
@@ -38,8 +35,7 @@ from fusion_graph.sizing.tokens import (
     prompt_estimate,
     system_tokens,
 )
-from fusion_graph.state import PendingRoute, State, StepTally
-from fusion_graph.trouble import EMPTY_FOLD, TurnFold, fold_trouble, fold_turn
+from fusion_graph.state import State, StepTally
 
 
 def _is_turn_start(message: BaseMessage) -> bool:
@@ -310,61 +306,3 @@ def next_route(
         trouble_weights=context.trouble_weights,
     )
     return decision, signals
-
-
-def to_pending(
-    step: int,
-    decision: RouteDecision,
-    signals: StepSignals,
-    estimates: Mapping[str, Estimate] | None = None,
-    sizes: Mapping[str, Any] | None = None,
-) -> PendingRoute:
-    """A decision as plain, checkpointable data, for the executor that acts on it.
-
-    ``estimates``: the prompt estimate per leg the decision was measured with;
-    ``sizes``: the windows and budget beside them, so the executor need not measure again.
-    """
-    score = decision.score
-    choice = PendingRoute(
-        step=step,
-        leg=decision.leg,
-        score=score.score if score is not None else None,
-        breakdown=score.breakdown() if score is not None else None,
-        threshold=decision.threshold,
-        reason=decision.reason,
-        signals=dict(vars(signals)),
-    )
-    if estimates:
-        choice["estimates"] = {leg: estimate.as_dict() for leg, estimate in estimates.items()}
-    if sizes:
-        choice["sizes"] = dict(sizes)
-    if decision.budget is not None:
-        choice["budget"] = decision.budget
-    if decision.paced:
-        choice["paced"] = True
-    return choice
-
-
-def from_pending(choice: PendingRoute) -> tuple[RouteDecision, StepSignals]:
-    """The decision and signals ``to_pending`` wrote (the inverse, for the executor and records)."""
-    breakdown = choice["breakdown"]
-    score: StepScore | None = None
-    if choice["score"] is not None and breakdown is not None:
-        score = score_type(breakdown)(score=choice["score"], **breakdown)
-    decision = RouteDecision(
-        choice["leg"],
-        score,
-        choice["threshold"],
-        choice["reason"],
-        budget=choice.get("budget"),
-        paced=choice.get("paced", False),
-    )
-    signals = choice["signals"]
-    return decision, signals_type(signals)(**signals)
-
-
-def handed_estimates(choice: PendingRoute | None) -> dict[str, Estimate] | None:
-    """The per-leg estimates a ``route`` decision was measured with (``None``: not handed over)."""
-    if choice is None or "estimates" not in choice:
-        return None
-    return {leg: Estimate.from_dict(data) for leg, data in choice["estimates"].items()}

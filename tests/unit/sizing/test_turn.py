@@ -8,11 +8,18 @@ import pytest
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolMessage
 
 from fusion_graph.context import FusionContext
-from fusion_graph.records import RouteRecord, StepKind, make_record
-from fusion_graph.routing import Pace
-from fusion_graph.score import Leg, RouteDecision, StepScore, StepSignals, TroubleScore, TroubleSignals
+from fusion_graph.routing.records import RouteRecord, StepKind, make_record
+from fusion_graph.routing.rule import Pace
+from fusion_graph.routing.score import (
+    Leg,
+    RouteDecision,
+    StepScore,
+    StepSignals,
+    TroubleScore,
+    TroubleSignals,
+)
+from fusion_graph.sizing.turn import next_route, pace_of
 from fusion_graph.state import State
-from fusion_graph.turn import from_pending, next_route, pace_of, to_pending
 
 
 def record(kind: StepKind, routed: Leg, answered: Leg | None = None) -> RouteRecord:
@@ -97,16 +104,6 @@ def test_plans_never_carry_trouble_signals() -> None:
     context = FusionContext(cloud_share=60, trouble_signals=True)
     decision, signals = next_route(failing_turn(latch=2), context, plan=True)
     assert type(signals) is StepSignals and decision.latch is None
-
-
-@pytest.mark.parametrize("trouble_signals", [False, True])
-def test_a_pending_route_reads_back_as_the_decision_it_was(trouble_signals: bool) -> None:
-    context = FusionContext(cloud_share=60, trouble_signals=trouble_signals)
-    decision, signals = next_route(failing_turn(), context)
-    back, back_signals = from_pending(to_pending(2, decision, signals))
-    assert back_signals == signals and type(back_signals) is type(signals)
-    assert back.score == decision.score and type(back.score) is type(decision.score)
-    assert (back.leg, back.threshold, back.reason) == (decision.leg, decision.threshold, decision.reason)
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 
-from fusion_graph.tools.batch import batch_notice
-from fusion_graph.trouble import (
+from fusion_graph.routing.trouble import (
     ERROR_DECAY,
     ERROR_UNIT,
     NO_PROGRESS_WINDOW,
@@ -28,7 +27,8 @@ from fusion_graph.trouble import (
     turn_batches,
     turn_trouble,
 )
-from fusion_graph.turn import turn_fold
+from fusion_graph.sizing.turn import turn_fold
+from fusion_graph.tools.batch import batch_notice
 
 _ids = iter(range(1_000_000))
 

@@ -7,16 +7,16 @@ how many prompt tokens a step reused from llama-server's KV cache
 into the step's own route would be circular. It belongs in the route log, not here.
 
 With ``FusionContext.trouble_signals`` the same score gains two terms measured
-by ``fusion_graph.trouble`` (``TroubleSignals`` in, ``TroubleScore`` out); off,
+by ``fusion_graph.routing.trouble`` (``TroubleSignals`` in, ``TroubleScore`` out); off,
 every score is the four-term rule's. The leg decision over the score is
-``fusion_graph.routing``.
+``fusion_graph.routing.rule``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 Leg = Literal["local", "cloud"]
 Mode = Literal["cloud", "local", "fusion"]
@@ -31,7 +31,7 @@ WEIGHTS: dict[str, int] = {
 }
 assert sum(WEIGHTS.values()) == 100, "routing weights must sum to 100"
 
-#: Points of the trouble terms (``FusionContext.trouble_signals``, measured by ``fusion_graph.trouble``),
+#: Points of the trouble terms (``FusionContext.trouble_signals``, measured by ``routing.trouble``),
 #: added to the four above; the total is clipped to 100. A step with no trouble scores exactly what the
 #: four give, so the design's figures hold unchanged. One fresh tool error (severity 0.5) adds 25 points:
 #: a warning, not an escalation of a light step (real continuation steps score 4-55 on the shared
@@ -122,7 +122,7 @@ class Latch:
 
 @dataclass(frozen=True)
 class TroubleSignals(StepSignals):
-    """``StepSignals`` with the trouble signals (``FusionContext.trouble_signals``; ``fusion_graph.trouble``).
+    """``StepSignals`` with the trouble signals (``FusionContext.trouble_signals``; ``routing.trouble``).
 
     A subclass, so a step routed without them records exactly the seed's signals.
 
@@ -204,19 +204,6 @@ class TroubleScore(StepScore):
     def trouble(self) -> float:
         """Points of the two trouble terms."""
         return round(self.error_severity + self.no_progress, 2)
-
-
-def signals_type(data: Mapping[str, Any]) -> type[StepSignals]:
-    """The signals class of recorded ``signals`` data: ``TroubleSignals`` when it has the trouble signals.
-
-    One rule for every reader of records (``turn.from_pending``, replay's labels).
-    """
-    return TroubleSignals if "error_severity" in data else StepSignals
-
-
-def score_type(breakdown: Mapping[str, Any]) -> type[StepScore]:
-    """The score class of a recorded ``breakdown``: ``TroubleScore`` when it has the trouble terms."""
-    return TroubleScore if "error_severity" in breakdown else StepScore
 
 
 @dataclass(frozen=True)

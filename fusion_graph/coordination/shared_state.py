@@ -39,9 +39,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+from fusion_graph.coordination.slot_leases import LeaseRow, SlotClaim, choose_slot
 from fusion_graph.errors import FusionError, ProviderConfigError
 from fusion_graph.redact import register_url_secrets, scrub
-from fusion_graph.slot_leases import LeaseRow, SlotClaim, choose_slot
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -3,7 +3,7 @@
 The seed's four terms (``score.score_step``) say how far along and how heavy
 a step is; these say whether the agent is stuck. Each is a pure function of the
 turn's messages (after the user's message), so the ``route`` node, replay,
-calibration and the plot measure them alike: ``turn.next_route`` measures
+calibration and the plot measure them alike: ``sizing.turn.next_route`` measures
 them when ``FusionContext.trouble_signals`` is on, and ``score.score_step``
 weighs them (``score.TROUBLE_WEIGHTS``). ``turn_trouble`` folds a whole turn;
 a route step instead extends the previous step's ``TurnFold`` (``fold_turn``)
@@ -26,7 +26,7 @@ over its new messages, so its cost does not grow with the turn.
   (``PASS_PATTERNS``, with no error pattern in the same result), a successful
   result while an earlier error of the turn was still unanswered by a success,
   or a successful call with an input new to the turn right after a batch of
-  repeats. It releases the escalation latch (``routing.latch_rule``).
+  repeats. It releases the escalation latch (``rule.latch_rule``).
 
 The patterns are few on purpose: a false "error" costs a cloud step, a missed
 one only leaves the seed's score to decide.
