@@ -26,6 +26,7 @@ from langgraph.types import Send
 
 from fusion_graph.context import FusionContext, context_defaults, ensure_context
 from fusion_graph.errors import UsageError
+from fusion_graph.internals import untraced_edge
 from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.nodes import (
@@ -49,13 +50,13 @@ from fusion_graph.run_queue import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.sizing.turn import last_batch, pending_calls, wants_tools
-from fusion_graph.state import InputState, State
+from fusion_graph.state import Answered, InputState, State
 from fusion_graph.tools.workspace import make_workspace_tools
 
 GRAPH_NAME = "fusion"
 
 
-async def after_model(state: State, runtime: Runtime[FusionContext]) -> str | list[Send]:
+async def after_model(state: Answered, runtime: Runtime[FusionContext]) -> str | list[Send]:
     """Runnable calls go to ``tools`` (one task each); a rejected batch to ``route``; a reply ends.
 
     Async like every node: LangGraph would run a sync edge on a worker thread each step.
@@ -73,7 +74,7 @@ async def after_model(state: State, runtime: Runtime[FusionContext]) -> str | li
     return "memory" if memory_on(runtime) else END
 
 
-async def after_synthesis(state: State, runtime: Runtime[FusionContext]) -> str:
+async def after_synthesis(state: Answered, runtime: Runtime[FusionContext]) -> str:
     """The turn's reply is final: memory jobs (when on), else the end."""
     return "memory" if memory_on(runtime) else END
 
@@ -154,11 +155,13 @@ def build_graph(
     builder.add_edge(START, "plan")
     for executor in ("plan", "local", "cloud", "repair"):
         builder.add_conditional_edges(
-            executor, after_model, ["tools", "route", "synthesis", "memory", "unavailable", END]
+            executor,
+            untraced_edge(after_model),
+            ["tools", "route", "synthesis", "memory", "unavailable", END],
         )
     # A one-call batch is routed by the edge; the tasks of a larger one join at route, which decides once.
-    builder.add_conditional_edges("tools", route.after_tools, list(AFTER_TOOLS))
-    builder.add_conditional_edges("synthesis", after_synthesis, ["memory", END])
+    builder.add_conditional_edges("tools", untraced_edge(route.after_tools), list(AFTER_TOOLS))
+    builder.add_conditional_edges("synthesis", untraced_edge(after_synthesis), ["memory", END])
     builder.add_edge("step_limit", END)
     builder.add_edge("give_up", END)
     builder.add_edge("memory", END)

@@ -7,9 +7,11 @@ upgrade that changes it fails there instead of silently elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig
+from langgraph._internal._runnable import RunnableCallable
 from langgraph.graph.state import CompiledStateGraph
 
 # NOTE: LangGraph marks a run that continues from a checkpoint (invoke with None,
@@ -42,3 +44,13 @@ def reclass(compiled: CompiledStateGraph[Any, Any, Any, Any], cls: type[Compiled
         raise TypeError(f"expected a CompiledStateGraph to re-class as {cls.__name__}")
     compiled.__class__ = cls
     return compiled  # type: ignore[return-value]
+
+
+def untraced_edge(path: Callable[..., Awaitable[Any]]) -> Runnable[Any, Any]:
+    """The async ``path`` of a conditional edge as a runnable that opens no trace run of its own."""
+    # NOTE: ``add_conditional_edges`` wraps a plain function as a *traced* runnable: an async one
+    # then costs a task and two callback tasks on every step (``bench/overhead.py`` measures it),
+    # for a run that says nothing the step's own model run does not (its ``fusion_*`` metadata).
+    # LangChain's ``create_agent`` registers its edges as ``RunnableCallable(..., trace=False)``;
+    # no public part builds one.
+    return RunnableCallable(None, path, trace=False)

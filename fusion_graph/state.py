@@ -101,3 +101,10 @@ class State(InputState):
     # records than the log holds is ignored, and without one the whole log is counted.
     step_tally: NotRequired[StepTally]
     """Of the first ``records`` route records: the continuation steps and those routed to cloud."""
+
+
+class Answered(InputState):
+    """What the edge after an inference reads: the edge is handed only these channels, not the state."""
+
+    leg: NotRequired[Leg]
+    stall: NotRequired[Stall | None]

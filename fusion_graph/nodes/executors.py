@@ -237,6 +237,7 @@ class InferenceNodes:
             turn=turn,
             decision=decision,
             signals=signals,
+            thread_id=thread_id_of(get_config()),
             sizes=sizes,
         )
         update, answered = await self._infer(order, state, runtime)
@@ -261,7 +262,9 @@ class InferenceNodes:
         """
         if self.route is None:
             raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
-        routed = self.route.handoffs.take(step_key(state)) or await self.route.decide(state, runtime)
+        thread_id = thread_id_of(get_config())
+        routed = self.route.handoffs.take(step_key(state, thread_id))
+        routed = routed or await self.route.decide(state, runtime, thread_id)
         order = routed.order
         if order is None:
             raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
@@ -306,6 +309,7 @@ class InferenceNodes:
             turn=state.get("turn", 0),
             decision=decision,
             signals=None,
+            thread_id=thread_id_of(get_config()),
             prefer_provider=state.get("provider"),
         )
         update, answered = await self._infer(order, state, runtime)

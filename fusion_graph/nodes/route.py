@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from langchain_core.messages import ToolMessage
+from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
@@ -105,6 +106,7 @@ async def order_step(
     turn: int,
     decision: RouteDecision,
     signals: StepSignals | None,
+    thread_id: str,
     sizes: StepSizes | None = None,
     prefer_provider: str | None = None,
 ) -> StepOrder:
@@ -119,7 +121,7 @@ async def order_step(
         sizes = await sizer.measure(chain, state.get("messages", []), anchors, context)
     check = sizer.check_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
     decision = check.guard(decision)
-    shadow = decision.leg == "local" and picked(thread_id_of(get_config()), turn, step, context.shadow_share)
+    shadow = decision.leg == "local" and picked(thread_id, turn, step, context.shadow_share)
     return StepOrder(node, kind, step, turn, decision, signals, sizes, check, shadow, prefer_provider)
 
 
@@ -167,7 +169,7 @@ class Handoffs:
         return self._kept.pop(key, None)
 
 
-def step_key(state: State) -> HandoffKey:
+def step_key(state: State, thread_id: str) -> HandoffKey:
     """The step ``state`` is about to run, as a handoff's key: its thread, its step, the batch's last result.
 
     The last message's id (set once, by ``add_messages``) tells two runs without
@@ -175,7 +177,7 @@ def step_key(state: State) -> HandoffKey:
     """
     messages = state.get("messages") or []
     last = str(messages[-1].id) if messages else ""
-    return thread_id_of(get_config()), next_step(state), last
+    return thread_id, next_step(state), last
 
 
 class RouteNode:
@@ -196,7 +198,7 @@ class RouteNode:
         self.count_tokens, self.tools, self.memory_on, self.sizer = count_tokens, tools, memory_on, sizer
         self.handoffs = Handoffs()
 
-    async def decide(self, state: State, runtime: Runtime[FusionContext]) -> Routed:
+    async def decide(self, state: State, runtime: Runtime[FusionContext], thread_id: str) -> Routed:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
         pending = pending_calls(state["messages"])
         if pending:
@@ -232,6 +234,7 @@ class RouteNode:
             turn=turn,
             decision=decision,
             signals=signals,
+            thread_id=thread_id,
             sizes=sizes,
         )
         leg = order.decision.leg  # the budget guard may have moved it local
@@ -250,12 +253,13 @@ class RouteNode:
 
     async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
         """The ``route`` node: a joined batch's decision, handed to the executor in process."""
-        routed = await self.decide(state, runtime)
+        thread_id = thread_id_of(get_config())
+        routed = await self.decide(state, runtime, thread_id)
         if routed.order is not None:
-            self.handoffs.give(step_key(state), routed)
+            self.handoffs.give(step_key(state, thread_id), routed)
         return Command(goto=routed.goto)
 
-    async def after_tools(self, state: State, runtime: Runtime[FusionContext]) -> Any:
+    async def after_tools(self, state: State, runtime: Runtime[FusionContext], config: RunnableConfig) -> Any:
         """The edge after a tool task: a batch this task completed is routed here, else it joins at ``route``.
 
         A task sees its own result only, so a batch of several parallel calls (or
@@ -263,7 +267,8 @@ class RouteNode:
         """
         if pending_calls(state["messages"]):
             return "route"
-        routed = await self.decide(state, runtime)
+        thread_id = thread_id_of(config)  # an untraced edge: ``get_config`` has no run to read
+        routed = await self.decide(state, runtime, thread_id)
         if routed.order is not None:
-            self.handoffs.give(step_key(state), routed)
+            self.handoffs.give(step_key(state, thread_id), routed)
         return routed.goto

@@ -33,7 +33,7 @@ from fusion_graph.routing.records import totals_of, unanswered_record
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import build_prompt
 from fusion_graph.sizing.turn import last_ai
-from fusion_graph.state import State
+from fusion_graph.state import Answered, State
 
 #: Name of the instruction message sent with the synthesis call (never stored in the thread).
 SYNTHESIS_MESSAGE_NAME = "resynthesize"
@@ -41,7 +41,7 @@ SYNTHESIS_MESSAGE_NAME = "resynthesize"
 REASON = "resynthesize=local_replies: the turn ended on a reply the local leg wrote; cloud writes it"
 
 
-def wants_synthesis(state: State, context: FusionContext) -> bool:
+def wants_synthesis(state: Answered, context: FusionContext) -> bool:
     """Whether a turn that ends here gets its reply re-written on cloud.
 
     Only a reply the local leg answered, in a run that may use cloud at all.

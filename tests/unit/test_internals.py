@@ -7,10 +7,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import pytest
+from langchain_core.callbacks import AsyncCallbackHandler
+from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.config import get_config
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
+from langgraph.runtime import Runtime
 from typing_extensions import TypedDict
 
 from fusion_graph import build_graph, internals
@@ -85,3 +88,31 @@ def test_a_copy_of_the_graph_keeps_its_class_and_memory_runs() -> None:
     copied = graph.copy({"name": "served"})  # what the LangGraph server does with a served graph
     assert type(copied) is FusionGraph and copied.memory_runs is graph.memory_runs
     assert graph.with_config({"tags": ["x"]}).memory_runs is graph.memory_runs
+
+
+async def test_an_untraced_edge_gets_the_runtime_and_config_and_opens_no_run() -> None:
+    seen: list[Any] = []
+
+    async def edge(state: _State, runtime: Runtime[Any], config: RunnableConfig) -> str:
+        seen.append((runtime.context, config["configurable"]["thread_id"]))
+        return END
+
+    class Runs(AsyncCallbackHandler):
+        def __init__(self) -> None:
+            self.names: list[str] = []
+
+        async def on_chain_start(self, serialized: Any, inputs: Any, **kwargs: Any) -> None:
+            self.names.append(str(kwargs.get("name")))
+
+    async def node(state: _State) -> dict[str, Any]:
+        return {"seen": [True]}
+
+    builder = StateGraph(_State)
+    builder.add_node("n", node)
+    builder.add_edge(START, "n")
+    builder.add_conditional_edges("n", internals.untraced_edge(edge), [END])
+    runs = Runs()
+    config: Any = {"configurable": {"thread_id": "t"}, "callbacks": [runs]}
+    await builder.compile().ainvoke({"seen": []}, config, context={"k": 1})
+    assert seen == [({"k": 1}, "t")]
+    assert "edge" not in runs.names and "n" in runs.names  # the node's run is there, the edge's is not
