@@ -107,7 +107,7 @@ async def test_an_untraced_edge_gets_the_runtime_and_config_and_opens_no_run() -
     async def node(state: _State) -> dict[str, Any]:
         return {"seen": [True]}
 
-    builder = StateGraph(_State)
+    builder: Any = StateGraph(_State, context_schema=dict)  # any context: the edge reads it back
     builder.add_node("n", node)
     builder.add_edge(START, "n")
     builder.add_conditional_edges("n", internals.untraced_edge(edge), [END])
