@@ -9,6 +9,10 @@ the ratio of median per-step times, measured in the same run. A ratio that
 grows with N means some per-step work grows with the history. Garbage is
 collected before each timed run, so one run does not pay for another's.
 
+``--telemetry`` measures instead what metrics and traces cost a step: the same
+fusion turn with both on (metrics into a registry, every span through a batch
+processor into an exporter that drops it) against both off, interleaved likewise.
+
 ``--rounds`` is the number of interleaved pairs per length (default 15; for
 turns longer than 300 steps the default shrinks in proportion, so each length
 costs about as much as 300 steps do). The table goes to stderr, the JSON to
@@ -16,6 +20,7 @@ stdout and to ``--out``.
 
     python -m bench.overhead                              # 3, 30, 100 and 300 steps, 15 rounds each
     python -m bench.overhead --steps 30 --rounds 40 --out overhead.json
+    python -m bench.overhead --telemetry --out telemetry.json  # telemetry on against off
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +64,10 @@ class Scripted(GenericFakeChatModel):
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> BaseChatModel:
         """Tools are accepted and ignored."""
         return self
+
+
+#: One turn of ``steps`` steps on thread ``thread``, timed: its seconds.
+Runner = Callable[[int, str], Awaitable[float]]
 
 
 def script(steps: int) -> list[AIMessage]:
@@ -114,6 +123,68 @@ async def run_agent(steps: int, thread: str) -> float:
     return elapsed
 
 
+def telemetry_on() -> None:
+    """Metrics and traces on as FUSION_METRICS and FUSION_TRACES turn them on; spans dropped at export."""
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from prometheus_client import CollectorRegistry
+
+    from fusion_graph.telemetry import switch
+    from fusion_graph.telemetry.metrics import Metrics
+    from fusion_graph.telemetry.traces import Traces
+
+    class Dropped(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    switch.ACTIVE.metrics = Metrics(CollectorRegistry())
+    switch.ACTIVE.traces = Traces(provider.get_tracer("bench"))
+
+
+async def run_fusion_telemetry(steps: int, thread: str) -> float:
+    """Seconds one ``steps``-step fusion turn takes with metrics and traces on."""
+    from fusion_graph.telemetry import switch
+
+    telemetry_on()
+    try:
+        return await run_fusion(steps, thread)
+    finally:
+        switch.reset()
+
+
+async def interleaved(
+    rounds: int, steps: int, first: Runner, second: Runner, progress: Progress | None = None
+) -> tuple[list[float], list[float]]:
+    """Seconds per step of ``rounds`` interleaved pairs of turns (first, second, second, first, ...)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    await first(steps, "warm-1")
+    await second(steps, "warm-2")
+    task = progress.add_task(f"{steps} steps", total=rounds) if progress is not None else None
+    for i in range(rounds):
+        pair = (first, times[0]), (second, times[1])
+        for runner, kept in pair if i % 2 == 0 else reversed(pair):
+            kept.append(await runner(steps, f"r{i}") / steps)
+        if progress is not None and task is not None:
+            progress.advance(task)
+    return times
+
+
+async def measure_telemetry(rounds: int, steps: int, progress: Progress | None = None) -> dict[str, Any]:
+    """Interleaved ``rounds`` pairs of fusion turns with telemetry off and on: median ms per step, ratio."""
+    off, on = await interleaved(rounds, steps, run_fusion, run_fusion_telemetry, progress)
+    off_med, on_med = statistics.median(off), statistics.median(on)
+    return {
+        "steps_per_turn": steps,
+        "rounds": rounds,
+        "off_ms_per_step": round(off_med * 1000, 3),
+        "on_ms_per_step": round(on_med * 1000, 3),
+        "ratio": round(on_med / off_med, 3),
+        "added_ms_per_step": round((on_med - off_med) * 1000, 3),
+    }
+
+
 def default_rounds(steps: int) -> int:
     """``ROUNDS``, shrunk in proportion for turns longer than ``LONG_TURN`` steps (at least 3)."""
     if steps <= LONG_TURN:
@@ -123,17 +194,7 @@ def default_rounds(steps: int) -> int:
 
 async def measure(rounds: int, steps: int, progress: Progress | None = None) -> dict[str, Any]:
     """Interleaved ``rounds`` pairs of ``steps``-step turns: median ms per step of each, and the ratio."""
-    fusion: list[float] = []
-    agent: list[float] = []
-    await run_fusion(steps, "warm-f")
-    await run_agent(steps, "warm-a")
-    task = progress.add_task(f"{steps} steps", total=rounds) if progress is not None else None
-    for i in range(rounds):
-        pair = (run_fusion, fusion), (run_agent, agent)
-        for runner, times in pair if i % 2 == 0 else reversed(pair):
-            times.append(await runner(steps, f"r{i}") / steps)
-        if progress is not None and task is not None:
-            progress.advance(task)
+    fusion, agent = await interleaved(rounds, steps, run_fusion, run_agent, progress)
     f_med, a_med = statistics.median(fusion), statistics.median(agent)
     return {
         "steps_per_turn": steps,
@@ -148,17 +209,35 @@ async def measure(rounds: int, steps: int, progress: Progress | None = None) -> 
     }
 
 
-async def measure_all(steps: Sequence[int], rounds: int | None) -> dict[str, Any]:
-    """``measure`` at every turn length, in the order given."""
+async def measure_all(steps: Sequence[int], rounds: int | None, telemetry: bool = False) -> dict[str, Any]:
+    """``measure`` (or ``measure_telemetry``) at every turn length, in the order given."""
     results = []
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         for length in steps:
-            results.append(await measure(rounds or default_rounds(length), length, progress))
+            how = measure_telemetry if telemetry else measure
+            results.append(await how(rounds or default_rounds(length), length, progress))
     return {
         "results": results,
         "target_ratio": TARGET_RATIO,
         "meta": {"python": platform.python_version(), "machine": platform.machine()},
     }
+
+
+def telemetry_table(result: dict[str, Any]) -> Table:
+    """One row per turn length: ms per fusion step with telemetry off and on, and the ratio."""
+    table = Table(title="per-step time with telemetry off and on, median of interleaved runs")
+    for column in ("steps", "rounds", "off ms / step", "on ms / step", "added ms / step", "ratio"):
+        table.add_column(column, justify="right")
+    for row in result["results"]:
+        table.add_row(
+            str(row["steps_per_turn"]),
+            str(row["rounds"]),
+            f"{row['off_ms_per_step']:.3f}",
+            f"{row['on_ms_per_step']:.3f}",
+            f"{row['added_ms_per_step']:.3f}",
+            f"{row['ratio']:.2f}",
+        )
+    return table
 
 
 def table_of(result: dict[str, Any]) -> Table:
@@ -182,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--steps", type=int, nargs="+", default=list(STEPS), help="turn lengths (default: 30 100 300)"
+        "--steps", type=int, nargs="+", default=list(STEPS), help="turn lengths (default: 3 30 100 300)"
     )
     parser.add_argument(
         "--rounds",
@@ -191,11 +270,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         help=f"interleaved pairs per length (default {ROUNDS}, fewer beyond {LONG_TURN} steps)",
     )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument(
+        "--telemetry", action="store_true", help="measure metrics and traces on against off instead"
+    )
     args = parser.parse_args(argv)
     if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
         parser.error("--steps and --rounds must be at least 1")
-    result = asyncio.run(measure_all(args.steps, args.rounds))
-    Console(stderr=True).print(table_of(result))
+    result = asyncio.run(measure_all(args.steps, args.rounds, args.telemetry))
+    Console(stderr=True).print(telemetry_table(result) if args.telemetry else table_of(result))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

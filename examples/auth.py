@@ -26,7 +26,7 @@ from langgraph_sdk import Auth
 auth = Auth()
 
 #: The store roots whose third label is the user the memories are about (``fusion_graph.memory.store``).
-USER_SCOPED_ROOTS = ("fusion_memories", "fusion_jobs")
+USER_SCOPED_ROOTS = ("fusion_memories", "fusion_jobs", "fusion_shadows")
 
 
 def _tokens() -> dict[str, str]:

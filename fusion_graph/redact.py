@@ -37,6 +37,7 @@ libraries' records too). Streamed answers are scrubbed by ``StreamScrubber``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -91,7 +92,9 @@ def register_secret(value: str | None) -> bool:
     if not value or len(value) < MIN_SECRET_LENGTH:
         return False
     with _lock:
-        _secrets.add(value)
+        if value not in _secrets:
+            _secrets.add(value)
+            _scrub_remembered.cache_clear()  # what was scrubbed before did not know this one
     return True
 
 
@@ -158,6 +161,19 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     for pattern, replacement in _RULES:
         text = pattern.sub(replacement, text)
     return _TOKEN.sub(lambda m: REDACTED if _looks_random(m.group()) else m.group(), text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scrub_remembered(text: str) -> str:
+    return scrub(text)
+
+
+def scrub_repeated(text: str) -> str:
+    """``scrub(text)``, remembered for text that comes again and again (provider ids, label values).
+
+    Telemetry scrubs the same few strings on every step; registering a secret forgets them all.
+    """
+    return _scrub_remembered(text)
 
 
 def scrub_known(text: str, known: frozenset[str] | None = None) -> str:

@@ -35,6 +35,7 @@ from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.redact import StreamScrubber, registered_secrets, scrub_content, scrub_known
 from fusion_graph.state import InputState, State
+from fusion_graph.telemetry import switch as telemetry
 from fusion_graph.tools.files import check_run_root
 
 logger = logging.getLogger(__name__)
@@ -226,9 +227,11 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
 
         Inside the queue, so the thread's next run never has its new lease marked idle.
         """
+        metadata = (config or {}).get("metadata") or {}
         try:
-            async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
-                yield chunk
+            with telemetry.turn(self.name, None if thread is None else str(thread), metadata):
+                async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
+                    yield chunk
         finally:
             if thread is not None:  # the run is over: its slot may go to a thread that needs one now
                 await self.memory_runs.resolver.placement.release(str(thread))

@@ -308,6 +308,23 @@ class FusionSettings(BaseSettings):
     max_input_chars: Annotated[int, *between(1, 100_000_000)] = Field(
         1_000_000, description="Longest new input a run may send (characters over its new messages)."
     )
+    metrics: bool = Field(
+        False,
+        description="Count every inference in Prometheus metrics (the 'telemetry' extra), served at "
+        "/metrics on metrics_port; an app that already serves prometheus-client's default registry "
+        "gets them there too.",
+    )
+    metrics_port: Annotated[int, *between(1, 65535)] | None = Field(
+        None,
+        description="Serve /metrics on this port from this process: one port per worker process "
+        "(each is a scrape target). Empty: not served by fusion-graph.",
+    )
+    traces: bool = Field(
+        False,
+        description="Export an OpenTelemetry span per turn, inference and tool call over OTLP (the "
+        "'telemetry' extra); where to: the standard OTEL_EXPORTER_OTLP_* variables, unless the app "
+        "set up OpenTelemetry itself.",
+    )
 
     def __init__(self, **values: Any) -> None:
         """Read the settings; a keyword that names no setting is refused (a typo is never dropped)."""

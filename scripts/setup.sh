@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-command set-up on a fresh machine: build tools, a virtual environment with
 # the package, its dev extra and its test harness (testing/), a second one with the
-# multi-process LangGraph server (langhost) for the server harness, and the llama-server
-# used by integration tests and benchmarks (built once, then cached).
+# multi-process LangGraph server (langhost) for the server harness, a third with Arize
+# Phoenix (an OTLP receiver), Prometheus, and the llama-server used by integration tests
+# and benchmarks (built once, then cached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,8 @@ compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || command -v initdb >/
   || want_apt+=(postgresql)
 # Redis for the multi-process LangGraph server (tests/integration/test_langgraph_server_harness.py).
 command -v redis-server >/dev/null 2>&1 || [[ -x /usr/bin/redis-server ]] || want_apt+=(redis-server)
+# Prometheus scraping the server's workers (tests/integration/test_telemetry_deployment.py).
+command -v prometheus >/dev/null 2>&1 || want_apt+=(prometheus)
 if ((${#need_apt[@]} + ${#want_apt[@]})); then
   if [[ $(id -u) -eq 0 ]]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
@@ -28,6 +31,8 @@ if ((${#need_apt[@]} + ${#want_apt[@]})); then
       || echo "PostgreSQL server not found: tests/integration/test_postgres.py will skip (install 'postgresql')" >&2
     [[ " ${want_apt[*]} " != *" redis-server "* ]] \
       || echo "redis-server not found: the LangGraph server harness tests will skip (install 'redis-server')" >&2
+    [[ " ${want_apt[*]} " != *" prometheus "* ]] \
+      || echo "prometheus not found: the telemetry deployment test will skip (install 'prometheus')" >&2
   fi
 fi
 
@@ -43,5 +48,13 @@ PYTHON="${PYTHON:-python3}"
 LANGHOST_VERSION="${LANGHOST_VERSION:-0.11.1.post1}"
 [[ -x .venv-server/bin/python ]] || "$PYTHON" -m venv .venv-server
 .venv-server/bin/python -m pip install --quiet --upgrade pip
-.venv-server/bin/python -m pip install --quiet "langhost==${LANGHOST_VERSION}" -e .
+.venv-server/bin/python -m pip install --quiet "langhost==${LANGHOST_VERSION}" -e ".[telemetry]"
+# Arize Phoenix, a real OTLP receiver for tests/integration/test_traces_phoenix.py: a virtualenv of
+# its own too (its dependencies would pin the test environment's).
+PHOENIX_VERSION="${PHOENIX_VERSION:-20.26.1}"
+if [[ ! -x .venv-phoenix/bin/phoenix ]]; then
+  "$PYTHON" -m venv .venv-phoenix
+  .venv-phoenix/bin/python -m pip install --quiet --upgrade pip
+  .venv-phoenix/bin/python -m pip install --quiet "arize-phoenix==${PHOENIX_VERSION}"
+fi
 PYTHON=.venv/bin/python bash scripts/build_llama_server.sh

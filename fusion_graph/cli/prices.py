@@ -93,6 +93,7 @@ def priced_costs(records: Sequence[RouteRecord], cloud: TokenPrices | None, clou
     without a cost (or without token counts) is counted in ``unpriced`` only.
     """
     from fusion_graph.providers.pricing import answering_leg
+    from fusion_graph.routing.records import in_all_cloud_baseline
 
     cost, all_cloud = 0.0, 0.0
     priced = repriced = unanswered = 0
@@ -114,6 +115,8 @@ def priced_costs(records: Sequence[RouteRecord], cloud: TokenPrices | None, clou
             continue
         priced += 1
         cost += spent
+        if not in_all_cloud_baseline(record):
+            continue  # spent, but no all-cloud run would have made it: savings are net of it
         if cloud is not None and leg == "cloud":
             all_cloud += spent
         elif cloud is not None and tokens is not None:

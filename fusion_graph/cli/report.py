@@ -1,4 +1,8 @@
-"""``fusion-graph report``: cost, savings and routing of the threads stored in a SQLite checkpoint file.
+"""``fusion-graph report``: cost, savings and routing of stored threads (a SQLite file, or a Postgres).
+
+With ``--postgres`` it reads every thread of a LangGraph server (or of
+``fusion-graph run --postgres``) from the checkpoints in that database,
+optionally one assistant's and those active since a time.
 
 Cost, all-cloud cost and savings count the same inferences: those with a price,
 when they ran or now (``cli.prices``); the rest are counted apart. Both tables
@@ -115,6 +119,83 @@ def stored_threads(db: Path, thread: str | None = None) -> dict[str, StoredThrea
     return threads
 
 
+def since_time(value: str, now: datetime | None = None) -> datetime:
+    """``--since``: an ISO 8601 time, or a span back from now (``30m``, ``24h``, ``7d``).
+
+    Raises:
+        typer.Exit: Neither.
+    """
+    import re
+    from datetime import UTC, timedelta
+
+    now = now or datetime.now(UTC)
+    span = re.fullmatch(r"(\d+(?:\.\d+)?)([mhd])", value.strip())
+    if span:
+        unit = {"m": "minutes", "h": "hours", "d": "days"}[span.group(2)]
+        return now - timedelta(**{unit: float(span.group(1))})
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise fail(f"--since {value!r} is neither an ISO 8601 time nor a span like 24h, 7d or 30m") from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def postgres_threads(
+    url: str, thread: str | None = None, assistant: str | None = None, since: datetime | None = None
+) -> dict[str, StoredThread]:
+    """Each thread in a deployment's Postgres checkpoints, oldest first: its route log, start, first message.
+
+    ``assistant``: only threads whose checkpoints a LangGraph server run of that
+    assistant (id or graph name) wrote; ``since``: only threads with a checkpoint since then.
+
+    Raises:
+        typer.Exit: The database has no checkpoints table, or ``thread`` is not in it.
+    """
+    import psycopg
+    from langgraph.checkpoint.postgres import PostgresSaver
+    from psycopg.rows import dict_row
+
+    where, args = ["checkpoint_ns = ''"], []
+    if thread is not None:
+        where.append("thread_id = %s")
+        args.append(thread)
+    if assistant is not None:
+        where.append("(metadata->>'assistant_id' = %s OR metadata->>'graph_id' = %s)")
+        args += [assistant, assistant]
+    query = (
+        "SELECT thread_id, MIN(checkpoint_id) AS first, MAX(checkpoint_id) AS last FROM checkpoints "
+        f"WHERE {' AND '.join(where)} GROUP BY thread_id ORDER BY first"
+    )
+    threads: dict[str, StoredThread] = {}
+    with psycopg.connect(url, autocommit=True, prepare_threshold=0, row_factory=dict_row) as connection:
+        found = connection.execute("SELECT to_regclass('checkpoints') AS t").fetchone()
+        if found is None or found["t"] is None:
+            raise fail("the database holds no LangGraph checkpoints (no checkpoints table)")
+        rows = connection.execute(query, args).fetchall()
+        if thread is not None and not rows:
+            raise fail(f"thread {thread!r} is not in the database")
+        saver = PostgresSaver(connection)
+        for row in rows:
+            config: Any = {"configurable": {"thread_id": str(row["thread_id"]), "checkpoint_ns": ""}}
+            latest = saver.get_tuple(
+                {"configurable": {**config["configurable"], "checkpoint_id": row["last"]}}
+            )
+            first = saver.get_tuple(
+                {"configurable": {**config["configurable"], "checkpoint_id": row["first"]}}
+            )
+            if latest is None:
+                continue
+            if since is not None and datetime.fromisoformat(latest.checkpoint["ts"]) < since:
+                continue
+            values = latest.checkpoint["channel_values"]
+            threads[str(row["thread_id"])] = StoredThread(
+                route_log=list(values.get("route_log", [])),
+                started_at=first.checkpoint.get("ts") if first is not None else None,
+                first_message=first_user_message(values.get("messages", [])),
+            )
+    return threads
+
+
 def stored_route_logs(db: Path, thread: str | None = None) -> dict[str, list[RouteRecord]]:
     """Each stored thread's ``route_log`` from its latest checkpoint, oldest thread first."""
     return {tid: stored.route_log for tid, stored in stored_threads(db, thread).items()}
@@ -222,6 +303,13 @@ def _saved(row: dict[str, Any]) -> str:
     return _money(row["savings_usd"]) + (f"\n{fraction:.0%}" if fraction is not None else "")
 
 
+def _active_since(thread: StoredThread, after: datetime) -> bool:
+    """Whether a SQLite thread started at or after ``after`` (its checkpoints' times are not all read)."""
+    assert thread.started_at is not None
+    started = datetime.fromisoformat(thread.started_at)
+    return (started if started.tzinfo is not None else started.replace(tzinfo=after.tzinfo)) >= after
+
+
 def _started(ts: str | None) -> str | None:
     if not ts:
         return None
@@ -323,6 +411,29 @@ def report(
     db: Annotated[
         Path, typer.Option(help="SQLite checkpoint file (what `fusion-graph run` wrote).")
     ] = DEFAULT_DB,
+    postgres: Annotated[
+        str | None,
+        typer.Option(
+            help="A deployment's Postgres instead (postgresql://...): every thread a LangGraph server "
+            "or `fusion-graph run --postgres` checkpointed there."
+        ),
+    ] = None,
+    assistant: Annotated[
+        str | None, typer.Option(help="With --postgres: only this assistant's threads (id or graph name).")
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Only threads active since then: an ISO 8601 time, or a span back (24h, 7d, 30m)."),
+    ] = None,
+    margin: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            max=0.999,
+            help="Shadow checks: say whether local steps take the cloud's action at least 1 - MARGIN of "
+            "the time (95% lower bound), or how many more checks it needs.",
+        ),
+    ] = None,
     thread: Annotated[str | None, typer.Option(help="Only this thread.")] = None,
     context: Annotated[
         str | None,
@@ -349,14 +460,32 @@ def report(
     (``shadow_share``), a third shows how often the cloud took the local step's
     action, by the local steps' score band.
     """
-    if not db.is_file():  # before anything is loaded or priced
+    if assistant is not None and postgres is None:
+        raise fail("--assistant reads a LangGraph server's threads: give --postgres with its database URL")
+    if postgres is not None and not postgres.startswith(("postgres://", "postgresql://")):
+        raise fail("--postgres must be a postgresql://user:password@host:port/db URL")
+    if postgres is None and not db.is_file():  # before anything is loaded or priced
         raise fail(
             f"no checkpoint database at {db}: `fusion-graph run` writes it (or pass --db with its file)"
         )
+    after = since_time(since) if since is not None else None
     run_context = build_context(context)
     settings = build_settings()
-    with storage(f"--db {db}"):
-        stored = stored_threads(db, thread)
+    if postgres is not None:
+        from fusion_graph.redact import register_url_secrets
+
+        register_url_secrets(postgres)
+        with storage("--postgres"):
+            stored = postgres_threads(postgres, thread, assistant, after)
+    else:
+        with storage(f"--db {db}"):
+            stored = stored_threads(db, thread)
+        if after is not None:
+            stored = {
+                tid: one
+                for tid, one in stored.items()
+                if one.route_log and one.started_at is not None and _active_since(one, after)
+            }
     prices = cloud_prices(run_context, settings)
     model = run_context.cloud_model or settings.cloud_model
     threads = {
@@ -372,10 +501,10 @@ def report(
     total = totals_summary(logs, list(threads.values()), prices, model, costs=costs)
     hint = price_note(settings, model, prices, costs)
     budget = {"turn_usd": settings.turn_cloud_budget_usd, "thread_usd": settings.thread_cloud_budget_usd}
-    shadow = agreement(record for log in logs for record in log)
+    shadow = agreement((record for log in logs for record in log), margin)
     if as_json:
         output = {
-            "db": str(db),
+            "db": "postgres" if postgres is not None else str(db),
             "threads": threads,
             "totals": total,
             "savings_usd": total["savings_usd"],
@@ -386,7 +515,7 @@ def report(
         }
         typer.echo(json.dumps(output, indent=2))
         return
-    stdout_console().print(report_table(db, threads, total))
+    stdout_console().print(report_table(db if postgres is None else Path("postgres"), threads, total))
     stdout_console().print(budget_table(threads, total, budget))
     if shadow["checked"]:
         stdout_console().print(agreement_table(shadow))

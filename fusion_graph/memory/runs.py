@@ -46,6 +46,7 @@ from fusion_graph.memory.store import store_items
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub
 from fusion_graph.routing.records import RouteRecord
+from fusion_graph.telemetry import switch as telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -413,6 +414,7 @@ class MemoryRuns:
                 "dropped": dropped,
                 "outcome": "dropped" if dropped is not None else "stored",
             }
+            telemetry.job_finished(records[-1])
             return records
 
         results = await asyncio.gather(*(one(job) for job in self.memory_jobs))

@@ -22,6 +22,8 @@ NAMESPACE_ROOT = "fusion_memories"
 #: The job log's root: neither it nor ``NAMESPACE_ROOT`` is a string prefix of the other, as some
 #: stores match namespace prefixes as strings (a search of the memories never finds the job log).
 JOBS_NAMESPACE_ROOT = "fusion_jobs"
+#: Shadow checks finished after their turn, until a turn of the thread records them.
+SHADOWS_NAMESPACE_ROOT = "fusion_shadows"
 
 
 def namespace(assistant_id: str, user_id: str) -> tuple[str, ...]:
@@ -32,6 +34,11 @@ def namespace(assistant_id: str, user_id: str) -> tuple[str, ...]:
 def jobs_namespace(ns: tuple[str, ...]) -> tuple[str, ...]:
     """The job log beside the memories (outside their search prefix)."""
     return (JOBS_NAMESPACE_ROOT, *ns[1:])
+
+
+def shadows_namespace(ns: tuple[str, ...]) -> tuple[str, ...]:
+    """Where a thread's finished shadow checks wait for its next turn (the same assistant and user)."""
+    return (SHADOWS_NAMESPACE_ROOT, *ns[1:])
 
 
 def memories_namespace(jobs_ns: tuple[str, ...]) -> tuple[str, ...]:

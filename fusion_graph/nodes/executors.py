@@ -20,16 +20,18 @@ from langchain_core.messages import AIMessage
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
+from langgraph.store.base import BaseStore
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import StateError
 from fusion_graph.inputs import check_new_turn, thread_id_of
 from fusion_graph.memory.background import inference_running
+from fusion_graph.memory.store import namespace_of, shadows_namespace
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.nodes.memory import Recall, TurnStart
 from fusion_graph.nodes.route import RouteNode, StepOrder, order_step, step_key
-from fusion_graph.nodes.shadow import ShadowChecks
+from fusion_graph.nodes.shadow import ShadowChecks, recorded_elsewhere
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, overflowed
 from fusion_graph.providers.resolver import ProviderResolver
@@ -70,9 +72,14 @@ class InferenceNodes:
         recall: Recall | None = None,
         sizer: Sizer | None = None,
         route: RouteNode | None = None,
+        graph_name: str = "fusion",
     ) -> None:
-        """Keep what every inference needs; ``route``: the rule whose decisions the steps carry out."""
+        """Keep what every inference needs; ``route``: the rule whose decisions the steps carry out.
+
+        ``graph_name``: the store namespace's assistant when a run names none (finished shadow checks).
+        """
         self.resolver = resolver
+        self.graph_name = graph_name
         self.tools = list(tools)
         self.tools_by_name = {tool.name: tool for tool in self.tools}
         self.count_tokens = count_tokens
@@ -102,7 +109,7 @@ class InferenceNodes:
         )
         shadowed = order.shadow
         if shadowed:  # the cloud leg asked beside the step, never waited for
-            shadowed = self._shadow(chain, prepared, check, context, order, thread_id)
+            shadowed = self._shadow(chain, prepared, check, context, order, thread_id, runtime.store)
         async with inference_running(thread_id):  # a memory job beside this step starts after it
             for retry in (False, True):
                 if prepared.compaction is not None:
@@ -141,7 +148,7 @@ class InferenceNodes:
         record, answer = asked.record, asked.answer
         if shadowed:
             self.shadows.answered(thread_id, turn, step, answer if record["leg"] == "local" else None)
-        shadows = self.shadows.fold(thread_id)
+        shadows = self.shadows.fold(thread_id, state.get("route_log") or ())
         for done in shadows:
             runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **done})
         if answer is None:
@@ -183,6 +190,7 @@ class InferenceNodes:
         context: FusionContext,
         order: StepOrder,
         thread_id: str,
+        store: BaseStore | None,
     ) -> bool:
         """Start the shadow check of this local step on the cloud leg; ``False`` when none is made."""
         cloud = chain.first_cloud
@@ -200,6 +208,8 @@ class InferenceNodes:
             check=check,
             timeout_s=self.resolver.settings.request_timeout,
             max_tokens=self.sizer.budget_of(cloud, prepared.sizes, context),
+            store=store,
+            namespace=shadows_namespace(namespace_of(get_config(), self.graph_name)),
         )
 
     async def plan(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
@@ -245,9 +255,15 @@ class InferenceNodes:
             return update
         if recalled is not None:
             update["messages"] = [recalled, *update["messages"]]
-        if start.records:  # memory jobs that finished since the last turn: in route_log once
-            update["route_log"] = [*start.records, *update["route_log"]]
-            update["totals"] = add_totals(update.get("totals"), records_totals(start.records))
+        caught = list(start.records)  # memory jobs that finished since the last turn: in route_log once
+        if runtime.store is not None:  # shadow checks that finished after their turn, in any worker
+            ns = shadows_namespace(namespace_of(get_config(), self.graph_name))
+            thread_id = thread_id_of(get_config())
+            log = state.get("route_log") or []
+            caught += await recorded_elsewhere(runtime.store, ns, thread_id, log, update["route_log"])
+        if caught:
+            update["route_log"] = [*caught, *update["route_log"]]
+            update["totals"] = add_totals(update.get("totals"), records_totals(caught))
         update |= {"turn": turn}
         if state.get("latch") is not None:  # a new turn starts unlatched (trouble_signals)
             update["latch"] = None

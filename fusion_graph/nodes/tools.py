@@ -33,6 +33,7 @@ from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.sampling import sampling_scope
 from fusion_graph.redact import scrub_content
 from fusion_graph.routing.records import RouteRecord, records_totals
+from fusion_graph.telemetry import switch as telemetry
 from fusion_graph.tools.output_cap import cap_output
 
 
@@ -43,13 +44,18 @@ async def wrap_tool_call(
     """``ToolNode``'s hook around each call: collect its sampling records, scrub and cap its result."""
     context = ensure_context(request.runtime.context)
     state = request.state if isinstance(request.state, dict) else {}
-    with sampling_scope(
-        turn=int(state.get("turn", 0)),
-        step=int(state.get("step", 0)),
-        thread_id=thread_id_of(request.runtime.config),
-        context=context,
-        route_log=state.get("route_log") or (),
-    ) as scope:
+    thread_id = thread_id_of(request.runtime.config)
+    call = request.tool_call
+    with (
+        telemetry.tool_call(call["name"], call.get("id"), thread_id),
+        sampling_scope(
+            turn=int(state.get("turn", 0)),
+            step=int(state.get("step", 0)),
+            thread_id=thread_id,
+            context=context,
+            route_log=state.get("route_log") or (),
+        ) as scope,
+    ):
         output = await execute(request)
     if isinstance(output, ToolMessage):  # the operator's keys never reach the model or the checkpoint
         output = output.model_copy(update={"content": scrub_content(output.content)})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,11 +52,13 @@ from fusion_graph.routing.records import (
     RouteRecord,
     StepKind,
     attempt_dict,
+    in_all_cloud_baseline,
     make_record,
     unanswered_record,
 )
 from fusion_graph.routing.score import RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
+from fusion_graph.telemetry import switch as telemetry
 
 ROUTE_EVENT = "fusion_route"
 
@@ -325,6 +328,7 @@ async def ask(
     bounds = bounds or Bounds()
     decision = call.decision
     placements: dict[str, Placement] = {}
+    started_ns = time.time_ns() if telemetry.ACTIVE.on else 0
 
     async def placed(link: ChainLink) -> Placement:
         if link.leg != "local":
@@ -373,6 +377,8 @@ async def ask(
         )
         if writer is not None:
             writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
+        if telemetry.ACTIVE.on:
+            _report(call, chain, record, None, started_ns)
         return Asked(None, record, exhausted)
     link = outcome.provider
     placement = placements.get(link.id, NOWHERE)
@@ -402,7 +408,47 @@ async def ask(
     )
     if writer is not None:
         writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
+    if telemetry.ACTIVE.on:
+        _report(call, chain, record, outcome.answer, started_ns)
     return Asked(outcome.answer, record)
+
+
+def all_cloud_cost(record: RouteRecord, chain: ProviderChain) -> float | None:
+    """What a priced inference would have cost on the chain's first cloud link (its own cost on cloud).
+
+    A local inference is priced from its reported tokens at the cloud link's prices,
+    cached tokens credited as the report's all-cloud figure credits them.
+    """
+    if record["cost_usd"] is None:
+        return None
+    if not in_all_cloud_baseline(record):
+        return 0.0
+    if record["leg"] == "cloud":
+        return record["cost_usd"]
+    cloud, prompt, completion = chain.first_cloud, record["prompt_tokens"], record["completion_tokens"]
+    if cloud is None or prompt is None or completion is None:
+        return None
+    return price(cloud.pricing, prompt, min(record["cached_tokens"] or 0, prompt), completion)
+
+
+def _report(
+    call: Ask, chain: ProviderChain, record: RouteRecord, answer: AIMessage | None, started_ns: int
+) -> None:
+    """Hand one inference to the telemetry (metrics, a span), when it is on."""
+    provider = record["provider"]
+    link = chain.link(provider) if provider is not None else None
+    if link is None:
+        link = next((x for x in chain.links if x.leg == call.decision.leg), None)
+    model = str(getattr(link.model, "model_name", None) or link.id) if link is not None else "unknown"
+    metadata = answer.response_metadata if answer is not None else {}
+    telemetry.inference(
+        record,
+        all_cloud_usd=all_cloud_cost(record, chain),
+        started_ns=started_ns,
+        model=model,
+        response_model=metadata.get("model_name") or metadata.get("model"),
+        thread_id=call.thread_id or None,
+    )
 
 
 def answered_record(

@@ -37,6 +37,7 @@ from fusion_graph.providers.health import (
     RETRY_IN_PLACE,
     Health,
     HealthPolicy,
+    HealthState,
     RetryPolicy,
     classify,
     overflow_numbers,
@@ -220,6 +221,11 @@ class ProviderChain:
     def health(self, provider_id: str) -> Health:
         """The circuit of ``provider_id`` (read ``state(now)``, ``cooldown_until``, ``last_error``)."""
         return self._health[self.link(provider_id)]
+
+    def health_states(self) -> dict[str, HealthState]:
+        """Each link's circuit state now, by provider id (the metrics' cooldown gauge reads it)."""
+        now = self._clock()
+        return {link.id: self._health[link].state(now) for link in self._links}
 
     def acquire(self, provider_id: str) -> ChainLink:
         """Pin a link (e.g. the router's pick for a leg) so no swap closes it; pair with ``release``."""

@@ -36,6 +36,7 @@ from fusion_graph.providers.slots import BoxSlots, SlotPool
 from fusion_graph.routing.budget import CloudBudget, cloud_budget
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
+from fusion_graph.telemetry import switch as telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class ProviderResolver:
         if self._fixed_chain is not None:
             fixed = self._fixed_chain if legs is None else self._fixed_chain.only(legs)
             self._by_context[narrowing] = fixed
+            telemetry.watch_chain(fixed)
             return fixed
         policy = HealthPolicy(
             allowed_failures=settings.provider_allowed_failures,
@@ -250,6 +252,7 @@ class ProviderResolver:
                             f"this graph; known: {[link.id for link in links]}"
                         ) from error
                 self._chains[key] = chain
+                telemetry.watch_chain(chain)
             self._by_context[narrowing] = chain
         return chain
 

@@ -125,6 +125,15 @@ def kept_local_by_budget(record: Mapping[str, Any]) -> bool:
     return bool(record.get("kept_local_by_budget"))
 
 
+def in_all_cloud_baseline(record: RouteRecord) -> bool:
+    """Whether an inference would have been made all-cloud too: every kind but a shadow check.
+
+    A shadow check exists only because steps run local, so its cost counts in what
+    was spent and not in the all-cloud baseline: savings are net of it.
+    """
+    return record["kind"] != "shadow"
+
+
 def money(value: float | None) -> str:
     """USD with enough digits for sub-cent steps: ``$0.05``, ``$0.0041`` (``-`` when unknown)."""
     if value is None:

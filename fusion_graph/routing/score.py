@@ -269,3 +269,15 @@ def score_step(signals: StepSignals, trouble_weights: Mapping[str, int] | None =
     if isinstance(signals, TroubleSignals):
         return TroubleScore(score=score, **points)
     return StepScore(score=score, **points)
+
+
+#: Points per score band (reports and metrics group shadow checks by it).
+BAND_POINTS = 20
+
+
+def score_band(score: float | None) -> str:
+    """The band a step's score falls in (``"0-19"`` ... ``"80-100"``; ``"-"``: the step had no score)."""
+    if score is None:
+        return "-"
+    low = min(int(score) // BAND_POINTS * BAND_POINTS, 100 - BAND_POINTS)
+    return f"{low}-{low + BAND_POINTS - 1 if low + BAND_POINTS < 100 else 100}"

@@ -545,6 +545,7 @@ class LangGraphServer:
         log_dir: Path | None = None,
         startup_timeout: float = 180.0,
         auth: Mapping[str, Any] | None = None,
+        worker_env: Sequence[Mapping[str, str]] = (),
     ) -> None:
         """Configures the server; nothing starts until :meth:`start`.
 
@@ -567,6 +568,8 @@ class LangGraphServer:
             log_dir: Where logs and generated files go; default a fresh temp folder.
             startup_timeout: Seconds each worker may take to answer ``GET /ok``.
             auth: The served config's ``auth`` (e.g. ``{"path": "/abs/auth.py:auth"}``); ``None``: none.
+            worker_env: Per worker (by index), settings over ``env`` for that process alone
+                (e.g. each worker's own ``FUSION_METRICS_PORT``).
 
         Raises:
             LangGraphServerNotInstalled: ``langhost`` or ``redis-server`` is missing.
@@ -595,6 +598,7 @@ class LangGraphServer:
         )
         self._env = dict(env or {})
         self.auth = dict(auth) if auth is not None else None
+        self._per_worker = [dict(e) for e in worker_env]
         self.workers: tuple[LangGraphWorker, ...] = ()
 
     # -- set-up ------------------------------------------------------------
@@ -654,7 +658,7 @@ class LangGraphServer:
                     index,
                     binary=self.binary,
                     config_path=config,
-                    env=env,
+                    env={**env, **(self._per_worker[index] if index < len(self._per_worker) else {})},
                     workdir=workdir,
                     log_path=self.log_dir / f"worker-{index}.log",
                     jobs=self.jobs_per_worker,

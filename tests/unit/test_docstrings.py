@@ -23,9 +23,11 @@ import fusion_graph
 
 #: ``a.b`` or ``a.b.C``: a dotted name starting with a module-like part.
 DOTTED = re.compile(r"``([a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?:\(\))?``")
-#: Dotted names that are not Python names (files, attributes of values, LangGraph config keys).
+#: Dotted names that are not Python names (files, attributes of values, LangGraph config keys,
+#: OpenTelemetry attribute names).
 NOT_NAMES = re.compile(
-    r"\.(py|json|toml|md|jsonl|sqlite|txt|log)$|^(record|extra|state|runtime|context|settings|config)\."
+    r"\.(py|json|toml|md|jsonl|sqlite|txt|log)$|^(record|extra|state|runtime|context|settings|config"
+    r"|gen_ai|fusion)\."
 )
 
 

@@ -211,3 +211,10 @@ def test_a_database_urls_password_is_scrubbed_however_the_url_is_spelt() -> None
     register_url_secrets("postgresql://fusion:a-longer-secret-9@db:5432/app")
     assert "a-longer-secret-9" not in scrub("password authentication failed: a-longer-secret-9")
     assert scrub("host=db password=hunter22 dbname=app").count("hunter22") == 0
+
+
+def test_a_remembered_scrub_forgets_when_a_new_secret_is_registered() -> None:
+    text = "provider cloud:plainwordsremembered"
+    assert redact.scrub_repeated(text) == text  # nothing key-shaped in it: kept, and remembered
+    assert redact.register_secret("plainwordsremembered")
+    assert redact.scrub_repeated(text) == "provider cloud:[REDACTED]"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from typing import Any
@@ -52,7 +53,9 @@ def test_the_same_action_is_the_same_calls_with_equal_arguments_or_both_a_reply(
     assert not same_action(a, c) and not same_action(reply, a)
 
 
-def graph_over(cloud: FakeOpenAI, local: FakeOpenAI, **settings: Any) -> Any:
+def graph_over(
+    cloud: FakeOpenAI, local: FakeOpenAI, *, saver: Any = None, store: Any = None, **settings: Any
+) -> Any:
     return build_graph(
         cloud_model=ChatOpenAI(
             model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
@@ -61,7 +64,8 @@ def graph_over(cloud: FakeOpenAI, local: FakeOpenAI, **settings: Any) -> Any:
             model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
         ),
         tools=[lookup],
-        checkpointer=InMemorySaver(),
+        checkpointer=saver if saver is not None else InMemorySaver(),
+        store=store,
         settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
     )
 
@@ -220,3 +224,44 @@ async def test_a_finished_shadow_of_a_step_that_did_not_answer_locally_is_forgot
     await pending.task  # the cloud answered before the step's own outcome was known
     checks.answered("t", 0, 1, None)  # the step fell over: nothing to compare it with
     assert checks.fold("t") == [] and not checks._pending.get("t")
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_a_shadow_that_finishes_after_its_turn_is_recorded_once_by_the_next_turn_in_another_worker(
+    how: str,
+) -> None:
+    """Two graphs share the checkpointer and the store, as two workers of a deployment do."""
+    from langgraph.store.memory import InMemoryStore
+
+    from fusion_graph.nodes.shadow import written
+
+    held = threading.Event()
+
+    def cloud_reply(body: dict[str, Any]) -> Reply:
+        if tool_results(body) == 0:
+            return Reply(content="", tool_calls=[("lookup", {"key": "a"})], prompt_tokens=200)
+        return Reply(content="cloud's answer", hold=held, prompt_tokens=300)  # the shadow of step 1
+
+    saver, store = InMemorySaver(), InMemoryStore()
+    context = FusionContext(cloud_share=10, shadow_share=1.0, sub_runners="off")
+    quiet = FusionContext(cloud_share=10, sub_runners="off")
+    with FakeOpenAI(cloud_reply) as cloud, FakeOpenAI(lambda body: Reply(content="local answer")) as local:
+        first_worker = graph_over(cloud, local, saver=saver, store=store)
+        second_worker = graph_over(cloud, local, saver=saver, store=store)
+        first = await turn(first_worker, "look it up", how, context)
+        assert not shadows(first)  # the turn ended with its shadow still waiting for the cloud
+        held.set()
+        for _ in range(100):  # the shadow's answer arrives in the first worker and is written
+            await asyncio.sleep(0.05)
+            await written()
+            if await store.asearch(("fusion_shadows",), limit=10):
+                break
+        second = await turn(second_worker, "and now?", how, quiet)  # the next turn, in the other worker
+        third = await turn(first_worker, "bye", how, quiet)  # back in the first: nothing twice
+    recorded = [r for r in shadows(third) if r["turn"] == 0]
+    assert len(recorded) == 1 and recorded[0]["turn"] == 0
+    assert [r["extra"]["shadow"]["key"] for r in shadows(second)] == [recorded[0]["extra"]["shadow"]["key"]]
+    assert recorded[0]["cost_usd"] is not None and recorded[0]["cost_usd"] > 0
+    spent = sum(r["cost_usd"] or 0.0 for r in third["route_log"])
+    assert third["totals"]["cost_usd"] == pytest.approx(spent)  # its cost in the thread's spend, once
+    assert await store.asearch(("fusion_shadows",), limit=10) == []  # recorded: gone from the store

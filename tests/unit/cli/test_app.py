@@ -50,6 +50,7 @@ LIGHT_MODULES = {
     "fusion_graph.errors",
     "fusion_graph.routing.records",
     "fusion_graph.routing.rule",
+    "fusion_graph.routing.score",
 }
 
 

@@ -245,7 +245,9 @@ async def test_local_memory_job_is_primed_on_the_reflection_slot_and_keeps_the_s
     assert step_body["id_slot"] == conversation_slot and conversation_slot != 3
     # First a one-token request on the reserved last slot (no tools: it shares nothing), then the job.
     assert primer_body["messages"] == [{"role": "user", "content": PRIMER_PROMPT}]
-    assert (primer_body["max_tokens"], "tools" in primer_body) == (1, False)
+    # A one-token budget, sent under the name every step's budget is sent under.
+    budget = "max_completion_tokens" if "max_completion_tokens" in memory_body else "max_tokens"
+    assert (primer_body[budget], "tools" in primer_body) == (1, False)
     assert primer_body["id_slot"] == 3 and primer_body["cache_prompt"] is True
     assert memory_body["id_slot"] == 3 and memory_body["cache_prompt"] is True
     assert memory_body["response_format"]["type"] == "json_schema"

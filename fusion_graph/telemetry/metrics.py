@@ -1,0 +1,231 @@
+"""Prometheus metrics of every inference, counted from its record (``prometheus-client``).
+
+Why ``prometheus-client`` and not OpenTelemetry metrics with a Prometheus
+exporter: operators scrape Prometheus, and the client is one small dependency
+with the text format, a WSGI/ASGI handler and a multiprocess mode, where the
+OpenTelemetry route would add the SDK's metric pipeline to every step for the
+same output. Spans are OpenTelemetry's job (``traces``).
+
+Several workers: each worker process counts its own inferences and serves them
+on its own ``FUSION_METRICS_PORT``, one scrape target per process; PromQL sums
+over them (``sum(...)``), as the dashboard does. A scrape per worker rather than
+prometheus-client's multiprocess collector: workers run on several machines
+(which no shared directory spans), a restarted worker's counters reset as
+Prometheus's ``rate`` and ``increase`` expect, and the cooldown gauge (read at
+scrape time from the process's own chains) has no multiprocess form. Not the
+LangGraph server's own port: its custom-app route (``langgraph.json`` ``http``)
+runs the API's store middleware before the Postgres pool starts (langgraph-api
+0.11 on the Postgres runtime), and no worker comes up.
+
+Every label value comes from a record (provider ids, legs, kinds, boxes), scrubbed
+of the operator's secrets; none grows with the traffic (no thread or run ids).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fusion_graph.redact import scrub_repeated as scrub
+from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.score import score_band
+
+if TYPE_CHECKING:
+    from prometheus_client import Metric
+
+
+class Watched(Protocol):
+    """What the cooldown gauge reads of a provider chain (``ProviderChain.health_states``)."""
+
+    def health_states(self) -> Mapping[str, str]:
+        """Each provider's circuit state now, by provider id."""
+        ...
+
+
+#: Every metric's name, for the dashboard test and the docs (the ``_total`` suffix as scraped).
+NAMES = (
+    "fusion_inferences_total",
+    "fusion_cost_usd_total",
+    "fusion_all_cloud_cost_usd_total",
+    "fusion_unpriced_inferences_total",
+    "fusion_tokens_total",
+    "fusion_failed_attempts_total",
+    "fusion_fallovers_total",
+    "fusion_budget_kept_local_total",
+    "fusion_placements_total",
+    "fusion_memory_jobs_total",
+    "fusion_shadow_checks_total",
+    "fusion_provider_cooldown",
+)
+
+
+def placement_of(record: RouteRecord) -> str | None:
+    """How a local inference was placed: ``shared`` (a lease), ``guest``, ``in_process`` or its fallback."""
+    if record["leg"] != "local" or record["provider"] is None:
+        return None
+    extra = record["extra"]
+    if extra.get("guest"):
+        return "guest"
+    placed = str(extra.get("placement", ""))
+    if placed == "shared":
+        return "shared"
+    return "in_process_fallback" if placed.startswith("in-process") else "in_process"
+
+
+class _Cooldowns(Collector):
+    """``fusion_provider_cooldown``: 1 per provider this process's chains hold in cooldown, read at scrape."""
+
+    def __init__(self) -> None:
+        self.chains: weakref.WeakSet[Watched] = weakref.WeakSet()
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "fusion_provider_cooldown",
+            "1 while this process holds the provider in cooldown (0: healthy or probing)",
+            labels=["provider"],
+        )
+        seen: set[str] = set()
+        for chain in list(self.chains):
+            for link_id, state in chain.health_states().items():
+                if link_id not in seen:
+                    seen.add(link_id)
+                    gauge.add_metric([scrub(link_id)], 1.0 if state == "cooldown" else 0.0)
+        yield gauge
+
+
+class Metrics:
+    """The metrics of one registry, and how a record is counted into them."""
+
+    _process: Metrics | None = None
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        """Register every metric in ``registry`` (a fresh one in tests)."""
+        self.registry = registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.inferences = counter(
+            "fusion_inferences",
+            "Inferences by kind, the leg the rule routed to, the leg and provider that answered, outcome",
+            ("kind", "routed_leg", "leg", "provider", "outcome"),
+        )
+        self.cost = counter(
+            "fusion_cost_usd", "USD spent, priced at the provider that answered", ("kind", "leg", "provider")
+        )
+        self.all_cloud = counter(
+            "fusion_all_cloud_cost_usd",
+            "USD the same priced inferences would have cost on the cloud link (savings = this - cost)",
+            ("kind",),
+        )
+        self.unpriced = counter(
+            "fusion_unpriced_inferences",
+            "Answered inferences with no price (not in the cost metrics)",
+            ("kind", "leg", "provider"),
+        )
+        self.tokens = counter(
+            "fusion_tokens",
+            "Tokens as the provider reported them: prompt, cached (of the prompt), processed (prefilled "
+            "by llama-server), completion",
+            ("leg", "box", "type"),
+        )
+        self.failed = counter(
+            "fusion_failed_attempts",
+            "Failed attempts before an answer or exhaustion",
+            ("provider", "error_class"),
+        )
+        self.fallovers = counter(
+            "fusion_fallovers",
+            "Inferences answered after failed attempts, by the leg routed to and the leg that answered",
+            ("routed_leg", "leg"),
+        )
+        self.kept_local = counter(
+            "fusion_budget_kept_local", "Inferences the cloud budget moved from cloud to local", ("kind",)
+        )
+        self.placements = counter(
+            "fusion_placements",
+            "Local inferences by placement: shared lease, guest, in-process, in-process fallback",
+            ("placement",),
+        )
+        self.memory_jobs = counter(
+            "fusion_memory_jobs",
+            "Memory jobs by outcome: stored, or dropped (no valid answer, a store write failed, taken over)",
+            ("outcome",),
+        )
+        self.shadows = counter(
+            "fusion_shadow_checks",
+            "Shadow checks by the step's score band and whether cloud acted as local did",
+            ("band", "agrees"),
+        )
+        self.cooldowns = _Cooldowns()
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            registry.register(self.cooldowns)
+
+    @classmethod
+    def process(cls) -> Metrics:
+        """The process's metrics in prometheus-client's default registry (made once)."""
+        if cls._process is None:
+            cls._process = cls()
+        return cls._process
+
+    def watch(self, chain: Watched) -> None:
+        """Report ``chain``'s providers in the cooldown gauge (held weakly)."""
+        self.cooldowns.chains.add(chain)
+
+    def serve(self, port: int) -> None:
+        """Serve ``/metrics`` of this registry on ``port`` (a daemon thread; an embedded app's)."""
+        start_http_server(port, registry=self.registry)
+
+    def observe(self, record: RouteRecord, all_cloud_usd: float | None) -> None:
+        """Count one inference's record (``all_cloud_usd``: its cost on the cloud link, when priced)."""
+        kind, leg, provider = record["kind"], record["leg"], scrub(record["provider"] or "none")
+        answered = record["provider"] is not None
+        outcome = "answered" if answered else str(record["extra"].get("outcome", "unanswered"))
+        self.inferences.labels(kind, record["routed_leg"], leg, provider, outcome).inc()
+        for attempt in record["attempts"]:
+            self.failed.labels(scrub(str(attempt.get("provider"))), str(attempt.get("kind"))).inc()
+        if record.get("kept_local_by_budget"):
+            self.kept_local.labels(kind).inc()
+        if not answered:
+            return
+        if record["attempts"]:
+            self.fallovers.labels(record["routed_leg"], leg).inc()
+        cost = record["cost_usd"]
+        if cost is None:
+            self.unpriced.labels(kind, leg, provider).inc()
+        else:
+            self.cost.labels(kind, leg, provider).inc(cost)
+            if all_cloud_usd is not None:
+                self.all_cloud.labels(kind).inc(all_cloud_usd)
+        box = scrub(str(record["extra"].get("box") or provider))
+        for kind_of, value in (
+            ("prompt", record["prompt_tokens"]),
+            ("cached", record["cached_tokens"]),
+            ("processed", record["processed_tokens"]),
+            ("completion", record["completion_tokens"]),
+        ):
+            if value:
+                self.tokens.labels(leg, box, kind_of).inc(value)
+        placed = placement_of(record)
+        if placed is not None:
+            self.placements.labels(placed).inc()
+
+    def job(self, record: RouteRecord) -> None:
+        """Count a memory job by the outcome its last record says (``stored`` or ``dropped``)."""
+        self.memory_jobs.labels(str(record["extra"].get("outcome", "dropped"))).inc()
+
+    def shadow(self, record: RouteRecord) -> None:
+        """Count a finished shadow check by its step's score band and whether cloud agreed."""
+        shadow = record["extra"].get("shadow")
+        if not isinstance(shadow, dict):
+            return
+        agrees = shadow.get("agrees")
+        self.shadows.labels(
+            score_band(shadow.get("score")), "unknown" if agrees is None else str(agrees).lower()
+        ).inc()
