@@ -51,7 +51,6 @@ from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.sizing.turn import last_batch, pending_calls, wants_tools
 from fusion_graph.state import Answered, InputState, State
-from fusion_graph.telemetry import switch as telemetry
 from fusion_graph.tools.workspace import make_workspace_tools
 
 GRAPH_NAME = "fusion"
@@ -125,7 +124,6 @@ def build_graph(
         resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain, settings=settings)
     elif cloud_model is not None or local_model is not None or chain is not None or settings is not None:
         raise UsageError("pass either a resolver or cloud_model/local_model/chain/settings, not both")
-    telemetry.configure(resolver.settings)  # metrics and traces, when the operator turned them on
     tool_list = list(make_workspace_tools(settings=resolver.settings) if tools is None else tools)
     memory_runs = MemoryRuns(resolver=resolver, jobs=memory_jobs, tools=tool_list)
     sizer = Sizer(resolver, tool_list, count_tokens)

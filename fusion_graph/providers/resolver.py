@@ -95,6 +95,7 @@ class ProviderResolver:
         if chain is not None and (cloud is not None or local is not None):
             raise UsageError("pass either a provider chain or cloud/local models, not both")
         self.settings = settings if settings is not None else FusionSettings()
+        telemetry.configure(self.settings)  # metrics and traces, when the operator turned them on
         self._fixed_chain = chain
         self._injected: dict[Leg, BaseChatModel | None] = {"cloud": cloud, "local": local}
         self._links: dict[tuple[Any, ...], ChainLink] = {}
@@ -138,6 +139,7 @@ class ProviderResolver:
                 namespace=self.settings.shared_state_namespace,
                 timeout_s=self.settings.shared_state_timeout_s,
             )
+            telemetry.watch_shared(self.shared)
             boxes = self.settings.local_workers if self.servers.gateway else ()
             self.placement = LeasedPlacement(
                 self.shared, self.local_slots, boxes=boxes, box_model=self._box_model if boxes else None

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fusion_graph.redact import scrub_repeated as scrub
@@ -62,6 +62,7 @@ NAMES = (
     "fusion_memory_jobs_total",
     "fusion_shadow_checks_total",
     "fusion_provider_cooldown",
+    "fusion_shared_state_failures_total",
 )
 
 
@@ -76,6 +77,31 @@ def placement_of(record: RouteRecord) -> str | None:
     if placed == "shared":
         return "shared"
     return "in_process_fallback" if placed.startswith("in-process") else "in_process"
+
+
+class Failing(Protocol):
+    """What the shared-state gauge reads (``SharedState.failures``: operations that failed so far)."""
+
+    failures: int
+
+
+class _SharedState(Collector):
+    """``fusion_shared_state_failures_total``: failed shared-state operations of this process, read at scrape.
+
+    Each failure is a turn placed, or a claim made, in this process instead (never a failed turn).
+    """
+
+    def __init__(self) -> None:
+        self.states: weakref.WeakSet[Failing] = weakref.WeakSet()
+
+    def collect(self) -> Iterator[Metric]:
+        counter = CounterMetricFamily(
+            "fusion_shared_state_failures",
+            "Shared-state operations that failed (timed out, refused, connection lost): each fell back "
+            "to this process",
+        )
+        counter.add_metric([], float(sum(state.failures for state in list(self.states))))
+        yield counter
 
 
 class _Cooldowns(Collector):
@@ -164,8 +190,10 @@ class Metrics:
             ("band", "agrees"),
         )
         self.cooldowns = _Cooldowns()
+        self.shared_states = _SharedState()
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
             registry.register(self.cooldowns)
+            registry.register(self.shared_states)
 
     @classmethod
     def process(cls) -> Metrics:
@@ -177,6 +205,10 @@ class Metrics:
     def watch(self, chain: Watched) -> None:
         """Report ``chain``'s providers in the cooldown gauge (held weakly)."""
         self.cooldowns.chains.add(chain)
+
+    def watch_shared(self, shared: Failing) -> None:
+        """Report ``shared``'s failed operations (held weakly)."""
+        self.shared_states.states.add(shared)
 
     def serve(self, port: int) -> None:
         """Serve ``/metrics`` of this registry on ``port`` (a daemon thread; an embedded app's)."""

@@ -1,4 +1,4 @@
-"""The process's telemetry: off until ``build_graph`` reads ``metrics``/``traces`` in the settings.
+"""The process's telemetry: off until a provider resolver reads ``metrics`` and ``traces`` in its settings.
 
 Prometheus metrics and an OpenTelemetry tracer provider belong to a process,
 not to one graph, so the switch is process-wide: once a graph turned them on,
@@ -20,7 +20,7 @@ from fusion_graph.routing.records import RouteRecord
 
 if TYPE_CHECKING:
     from fusion_graph.settings import FusionSettings
-    from fusion_graph.telemetry.metrics import Metrics, Watched
+    from fusion_graph.telemetry.metrics import Failing, Metrics, Watched
     from fusion_graph.telemetry.traces import Traces
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,12 @@ def watch_chain(chain: Watched) -> None:
     """Report ``chain``'s providers in the cooldown gauge (once per chain a resolver makes)."""
     if ACTIVE.metrics is not None:
         ACTIVE.metrics.watch(chain)
+
+
+def watch_shared(shared: Failing) -> None:
+    """Report the failed operations of the deployment's shared state (read at each scrape)."""
+    if ACTIVE.metrics is not None:
+        ACTIVE.metrics.watch_shared(shared)
 
 
 def job_finished(record: RouteRecord) -> None:

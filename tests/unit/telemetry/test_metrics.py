@@ -178,3 +178,14 @@ def test_metrics_off_is_the_default_and_costs_one_test() -> None:
     switch.reset()
     assert FusionSettings().metrics is False and FusionSettings().traces is False
     assert not switch.ACTIVE.on
+
+
+def test_shared_state_failures_are_read_at_each_scrape(registry: CollectorRegistry) -> None:
+    class Shared:
+        failures = 0
+
+    shared = Shared()
+    switch.watch_shared(shared)
+    assert sample(registry, "fusion_shared_state_failures_total") == 0
+    shared.failures = 3
+    assert sample(registry, "fusion_shared_state_failures_total") == 3
