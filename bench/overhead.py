@@ -13,6 +13,10 @@ collected before each timed run, so one run does not pay for another's.
 fusion turn with both on (metrics into a registry, every span through a batch
 processor into an exporter that drops it) against both off, interleaved likewise.
 
+``--middleware`` measures what ``FusionRoutingMiddleware`` costs a ``create_agent``
+agent: the same agent with it (the plan routed to the cloud model, every later
+step to the local one, each recorded) against without it.
+
 ``--rounds`` is the number of interleaved pairs per length (default 15; for
 turns longer than 300 steps the default shrinks in proportion, so each length
 costs about as much as 300 steps do). The table goes to stderr, the JSON to
@@ -21,6 +25,7 @@ stdout and to ``--out``.
     python -m bench.overhead                              # 3, 30, 100 and 300 steps, 15 rounds each
     python -m bench.overhead --steps 30 --rounds 40 --out overhead.json
     python -m bench.overhead --telemetry --out telemetry.json  # telemetry on against off
+    python -m bench.overhead --middleware --out middleware.json  # create_agent with the middleware
 """
 
 from __future__ import annotations
@@ -185,6 +190,39 @@ async def measure_telemetry(rounds: int, steps: int, progress: Progress | None =
     }
 
 
+async def run_agent_routed(steps: int, thread: str) -> float:
+    """Seconds one ``steps``-step turn takes through ``create_agent`` with ``FusionRoutingMiddleware``."""
+    from fusion_graph.middleware import FusionRoutingMiddleware
+
+    answers = script(steps)
+    routing = FusionRoutingMiddleware(
+        cloud_model=model(answers[:1]),
+        local_model=model(answers[1:]),
+        context={"max_steps": steps + 5, "sub_runners": "off", "loop_repeat_limit": 100},
+    )
+    agent = create_agent(model(answers), tools=[echo], middleware=[routing], checkpointer=InMemorySaver())
+    gc.collect()
+    began = time.perf_counter()
+    out = await agent.ainvoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": thread}})
+    elapsed = time.perf_counter() - began
+    assert [r["leg"] for r in out["route_log"]] == ["cloud"] + ["local"] * (steps - 1)
+    return elapsed
+
+
+async def measure_middleware(rounds: int, steps: int, progress: Progress | None = None) -> dict[str, Any]:
+    """Interleaved ``rounds`` pairs of ``create_agent`` turns without and with the middleware."""
+    plain, routed = await interleaved(rounds, steps, run_agent, run_agent_routed, progress)
+    plain_med, routed_med = statistics.median(plain), statistics.median(routed)
+    return {
+        "steps_per_turn": steps,
+        "rounds": rounds,
+        "off_ms_per_step": round(plain_med * 1000, 3),
+        "on_ms_per_step": round(routed_med * 1000, 3),
+        "ratio": round(routed_med / plain_med, 3),
+        "added_ms_per_step": round((routed_med - plain_med) * 1000, 3),
+    }
+
+
 def default_rounds(steps: int) -> int:
     """``ROUNDS``, shrunk in proportion for turns longer than ``LONG_TURN`` steps (at least 3)."""
     if steps <= LONG_TURN:
@@ -209,12 +247,14 @@ async def measure(rounds: int, steps: int, progress: Progress | None = None) -> 
     }
 
 
-async def measure_all(steps: Sequence[int], rounds: int | None, telemetry: bool = False) -> dict[str, Any]:
-    """``measure`` (or ``measure_telemetry``) at every turn length, in the order given."""
+async def measure_all(
+    steps: Sequence[int], rounds: int | None, telemetry: bool = False, middleware: bool = False
+) -> dict[str, Any]:
+    """``measure`` (or the telemetry or middleware measure) at every turn length, in the order given."""
     results = []
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         for length in steps:
-            how = measure_telemetry if telemetry else measure
+            how = measure_telemetry if telemetry else measure_middleware if middleware else measure
             results.append(await how(rounds or default_rounds(length), length, progress))
     return {
         "results": results,
@@ -223,9 +263,9 @@ async def measure_all(steps: Sequence[int], rounds: int | None, telemetry: bool 
     }
 
 
-def telemetry_table(result: dict[str, Any]) -> Table:
-    """One row per turn length: ms per fusion step with telemetry off and on, and the ratio."""
-    table = Table(title="per-step time with telemetry off and on, median of interleaved runs")
+def telemetry_table(result: dict[str, Any], what: str = "telemetry") -> Table:
+    """One row per turn length: ms per step with ``what`` off and on, and the ratio."""
+    table = Table(title=f"per-step time with {what} off and on, median of interleaved runs")
     for column in ("steps", "rounds", "off ms / step", "on ms / step", "added ms / step", "ratio"):
         table.add_column(column, justify="right")
     for row in result["results"]:
@@ -273,11 +313,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--telemetry", action="store_true", help="measure metrics and traces on against off instead"
     )
+    parser.add_argument(
+        "--middleware",
+        action="store_true",
+        help="measure create_agent with FusionRoutingMiddleware against without it instead",
+    )
     args = parser.parse_args(argv)
     if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
         parser.error("--steps and --rounds must be at least 1")
-    result = asyncio.run(measure_all(args.steps, args.rounds, args.telemetry))
-    Console(stderr=True).print(telemetry_table(result) if args.telemetry else table_of(result))
+    if args.telemetry and args.middleware:
+        parser.error("--telemetry and --middleware measure different things: give one")
+    result = asyncio.run(measure_all(args.steps, args.rounds, args.telemetry, args.middleware))
+    if args.telemetry or args.middleware:
+        table = telemetry_table(result, "telemetry" if args.telemetry else "the middleware")
+    else:
+        table = table_of(result)
+    Console(stderr=True).print(table)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

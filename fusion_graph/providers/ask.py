@@ -67,6 +67,10 @@ Writer = Callable[[dict[str, Any]], None]
 
 #: Runs the model call of one attempt on a link at its placement (memory jobs prime their slot first).
 Around = Callable[[ChainLink, Placement, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+#: Sends one attempt another way than ``model.ainvoke``: the link's chat model (tools not bound) and
+#: the attempt's arguments (budget, slot body, headers); a ``create_agent`` middleware sends it through
+#: the agent's own model call so the agent binds the tools and its inner middleware run.
+Sender = Callable[[BaseChatModel, Mapping[str, Any]], Awaitable[AIMessage]]
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Ask:
         tags: More tags for the model run (e.g. ``nostream``).
         extra: Joins the record's ``extra``.
         learn_box: Tell the placer which box a gateway answered from (a conversation's requests).
+        send: How each attempt goes out (``None``: the link's model with ``tools`` bound, ``ainvoke``).
     """
 
     kind: StepKind
@@ -129,6 +134,7 @@ class Ask:
     tags: Sequence[str] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     learn_box: bool = True
+    send: Sender | None = None
 
 
 @dataclass(frozen=True)
@@ -245,9 +251,14 @@ async def _model_call(
 
     ``kwargs`` go to the model's ``ainvoke``, as ``model.bind(**kwargs)`` would send them.
     """
+    return await within(model.ainvoke(list(prompt), config=config, **kwargs), link, timeout_s)
+
+
+async def within(answering: Awaitable[Any], link: ChainLink, timeout_s: float | None) -> AIMessage:
+    """``answering`` within ``timeout_s``; a response the model cannot parse is a ``MalformedAnswer``."""
     try:
         async with asyncio.timeout(timeout_s):
-            answer = await model.ainvoke(list(prompt), config=config, **kwargs)
+            answer = await answering
     except TimeoutError as error:
         raise TimeoutError(f"{link.id} gave no answer within request_timeout={timeout_s:g} s") from error
     except (IndexError, ValidationError) as error:
@@ -346,11 +357,13 @@ async def ask(
     async def invoke(link: ChainLink) -> AIMessage:
         placement = await placed(link)
         kwargs = request_kwargs(link, call, placement, bounds)
-        model = bound_model(link, call.tools, placement.model)
-        config = call_config(call, link)
+        send = call.send
 
         def once() -> Awaitable[AIMessage]:
-            return _model_call(model, call.prompt, config, link, bounds.timeout_s, kwargs)
+            if send is not None:
+                return within(send(placement.model or link.model, kwargs), link, bounds.timeout_s)
+            model = bound_model(link, call.tools, placement.model)
+            return _model_call(model, call.prompt, call_config(call, link), link, bounds.timeout_s, kwargs)
 
         # A slot other processes send to (the reflection slot) takes one request at a time.
         async with placement.turn() if placement.turn is not None else contextlib.nullcontext():

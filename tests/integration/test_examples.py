@@ -55,3 +55,33 @@ def test_the_quickstart_shows_where_a_step_was_routed_and_where_it_ran(tmp_path:
     lines = done.stdout.splitlines()
     assert lines[0] == "Answered by cloud."
     assert any(line.startswith("1 step local -> cloud cloud:") for line in lines), lines
+
+
+AGENT_EXAMPLE = ROOT / "examples" / "create_agent_fusion.py"
+
+
+def test_the_create_agent_example_routes_each_model_call(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("a note\n", encoding="utf-8")
+    plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
+    with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="A project with one note.")]) as local:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
+            "OPENAI_API_KEY": "sk-example-key-000000",
+            "FUSION_CLOUD_BASE_URL": cloud.base_url,
+            "FUSION_LOCAL_BASE_URL": local.base_url,
+            "FUSION_LOCAL_SLOTS": "4",
+        }
+        done = subprocess.run(
+            [sys.executable, str(AGENT_EXAMPLE)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        slots = {body.get("id_slot") for body in local.requests}
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "A project with one note."
+    assert lines[1].startswith("0 plan cloud -> cloud")
+    assert any(line.startswith("1 step local -> local") for line in lines)
+    assert len(slots) == 1 and None not in slots  # the local call carried the thread's slot

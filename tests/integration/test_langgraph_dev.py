@@ -44,19 +44,28 @@ def fakes() -> Iterator[tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]]:
 
 @contextlib.contextmanager
 def serve(
-    tmp_path: Path, settings: dict[str, str], *, env_file: bool = False, auth: bool = False
+    tmp_path: Path,
+    settings: dict[str, str],
+    *,
+    env_file: bool = False,
+    auth: bool = False,
+    graphs: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """A real ``langgraph dev`` in ``tmp_path`` with the operator's ``settings`` in its environment.
 
     ``env_file``: the config loads ``.env`` from ``tmp_path`` (as the repository's ``langgraph.json`` does).
     ``auth``: the config names the shipped auth file (``examples/auth.py``), as the docs tell operators to.
+    ``graphs``: more graphs to serve (name to ``path:attribute`` under the repository).
     """
     if not CLI.exists():
         pytest.fail(f"langgraph CLI not found at {CLI}: install the dev extra (langgraph-cli[inmem])")
     config = tmp_path / "langgraph.json"
     graph = json.loads((ROOT / "langgraph.json").read_text(encoding="utf-8"))
     graph["dependencies"] = [str(ROOT)]
-    graph["graphs"] = {name: str(ROOT / path.removeprefix("./")) for name, path in graph["graphs"].items()}
+    graph["graphs"] = {
+        name: str(ROOT / path.removeprefix("./"))
+        for name, path in {**graph["graphs"], **(graphs or {})}.items()
+    }
     graph["env"] = str(tmp_path / ".env") if env_file else {}
     if auth:
         graph["auth"] = {"path": f"{ROOT / 'examples' / 'auth.py'}:auth"}
@@ -431,3 +440,39 @@ async def test_two_authenticated_users_never_reach_each_others_memories(tmp_path
             with pytest.raises(httpx.HTTPStatusError) as hidden:
                 await bob.threads.get(thread["thread_id"])
             assert hidden.value.response.status_code == 404
+
+
+async def test_a_create_agent_agent_with_the_middleware_runs_under_langgraph_dev(tmp_path: Path) -> None:
+    """``examples/create_agent_fusion.py:agent`` served from a ``langgraph.json``: routed, recorded."""
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    (workspace / "notes.txt").write_text("hello\n", encoding="utf-8")
+    plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
+    with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="one note")]) as local:
+        settings = {
+            "OPENAI_API_KEY": KEY,
+            "FUSION_CLOUD_BASE_URL": cloud.base_url,
+            "FUSION_LOCAL_BASE_URL": local.base_url,
+            "FUSION_LOCAL_SLOTS": "4",
+            "FUSION_WORKSPACE_ROOT": str(workspace),
+        }
+        extra = {"fusion_agent": "./examples/create_agent_fusion.py:agent"}
+        with serve(tmp_path, settings, graphs=extra) as url:
+            client: Any = get_client(url=url)
+            [assistant] = await client.assistants.search(graph_id="fusion_agent")
+            thread = await client.threads.create()
+            result = await client.runs.wait(
+                thread["thread_id"],
+                assistant["assistant_id"],
+                input={"messages": [{"role": "user", "content": "what is in the workspace?"}]},
+            )
+            state = await client.threads.get_state(thread["thread_id"])
+        slots = {body.get("id_slot") for body in local.requests}
+    assert isinstance(result, dict) and result["messages"][-1]["content"] == "one note"
+    log = state["values"]["route_log"]
+    assert [(r["kind"], r["routed_leg"], r["leg"]) for r in log] == [
+        ("plan", "cloud", "cloud"),
+        ("step", "local", "local"),
+    ]
+    assert len(slots) == 1 and None not in slots
+    assert KEY not in json.dumps(state["values"])

@@ -1,0 +1,258 @@
+"""``FusionRoutingMiddleware``: per-step fusion routing for a ``create_agent`` agent, on the graph's core.
+
+Each model call of the agent is one step, decided and carried out as the graph
+does it: the same signals, score, hysteresis and plan rule (``sizing.turn.next_route``),
+the same budget guard and order (``nodes.route.order_step``), the same fit rule
+and provider call (``providers.ask.ask``: the thread's llama-server slot and
+box, fallover along the provider chain, pricing at the provider that
+answered), the same ``route_log`` records in the agent's state and the same
+``fusion_route`` custom stream events. The attempt goes out through the agent's
+own model call (``request.override``): the agent binds the tools, and the
+middleware inside this one still run.
+
+What the graph does that a middleware cannot (a model call is all it sees):
+repairing a malformed tool call on the same leg (pair it with
+``ToolRetryMiddleware`` or the agent's own tool errors), trimming a tool batch
+and the loop detector's notice (the notice term stays 0), memory sub-runners,
+re-writing a local reply on cloud, shadow checks, compacting a history no
+window holds (pair it with ``SummarizationMiddleware``), and a resumable stall
+when every provider is down (the call raises ``ChainExhausted``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Annotated, Any
+
+from langchain.agents.middleware.types import (
+    AgentMiddleware,
+    AgentState,
+    ExtendedModelResponse,
+    ModelRequest,
+    ModelResponse,
+)
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.tools import BaseTool
+from langgraph.config import get_config
+from langgraph.types import Command
+from typing_extensions import NotRequired  # noqa: UP035 - the TypedDict of state, as in fusion_graph.state
+
+from fusion_graph import prompts
+from fusion_graph.context import FusionContext, context_defaults, ensure_context
+from fusion_graph.errors import ChainExhausted
+from fusion_graph.inputs import thread_id_of
+from fusion_graph.nodes.route import StepOrder, order_step
+from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
+from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.measure import Sizer
+from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.routing.records import RouteRecord, add_totals, records_totals, unanswered_record
+from fusion_graph.routing.score import Leg, RouteDecision
+from fusion_graph.settings import FusionSettings
+from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
+from fusion_graph.sizing.turn import next_route, step_tally, turn_start
+from fusion_graph.state import PromptAnchor, State, StepTally
+
+
+class FusionRoutingState(AgentState[Any]):
+    """What the middleware keeps in the agent's state: the graph's route log and what routing reads."""
+
+    route_log: NotRequired[Annotated[list[RouteRecord], operator.add]]
+    totals: NotRequired[Annotated[dict[str, Any], add_totals]]
+    leg: NotRequired[Leg]
+    provider: NotRequired[str | None]
+    latch: NotRequired[int | None]
+    anchors: NotRequired[dict[str, PromptAnchor]]
+    step_tally: NotRequired[StepTally]
+
+
+def turn_and_step(messages: Sequence[BaseMessage]) -> tuple[int, int]:
+    """The turn (user messages so far, 0-based) and the step about to run (the plan is 0)."""
+    start = turn_start(messages)
+    turn = sum(1 for m in messages if isinstance(m, HumanMessage) and m.name != prompts.MEMORY_MESSAGE_NAME)
+    step = sum(1 for m in messages[start + 1 :] if isinstance(m, AIMessage))
+    return max(turn - 1, 0), step
+
+
+class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
+    """Route each model call of a ``create_agent`` agent to the local or the cloud model, as the graph does.
+
+    ``create_agent(model=..., tools=..., middleware=[FusionRoutingMiddleware(...)])``:
+    the agent's ``model`` is replaced on every call by the provider the chain
+    answers with. Put it last in the list (innermost), so the middleware before
+    it see the routed call and the ones after it (if any) run per attempt.
+    """
+
+    state_schema = FusionRoutingState
+
+    def __init__(
+        self,
+        *,
+        cloud_model: BaseChatModel | None = None,
+        local_model: BaseChatModel | None = None,
+        chain: ProviderChain | None = None,
+        settings: FusionSettings | None = None,
+        context: FusionContext | Mapping[str, Any] | None = None,
+        count_tokens: TokenCounter = approximate_tokens,
+        resolver: ProviderResolver | None = None,
+    ) -> None:
+        """The providers and settings, as ``build_graph`` takes them.
+
+        Args:
+            cloud_model: Chat model of the cloud leg; ``None`` builds one from the settings.
+            local_model: Chat model of the local leg (llama-server); ``None`` builds one.
+            chain: A provider chain of your own instead of the two models.
+            settings: The operator's settings; ``None`` reads ``FUSION_*`` now.
+            context: The run context when the agent's own ``context_schema`` is not
+                ``FusionContext`` (a run whose context is a ``FusionContext`` or a mapping
+                of its fields uses that, checked as the graph checks it).
+            count_tokens: The token estimator of every routing signal.
+            resolver: A ``ProviderResolver`` you keep (to close its providers), instead.
+        """
+        super().__init__()
+        if resolver is None:
+            resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain, settings=settings)
+        self.resolver = resolver
+        self.count_tokens = count_tokens
+        self.run_defaults = context_defaults()
+        self.default_context = ensure_context(
+            dict(vars(context)) if isinstance(context, FusionContext) else dict(context or {}),
+            self.run_defaults,
+        )
+        self._sizers: dict[tuple[int, ...], Sizer] = {}
+
+    def _context(self, given: Any, system_prompt: str) -> FusionContext:
+        """The run's context if it is fusion's, else the middleware's; with the agent's system prompt."""
+        if isinstance(given, FusionContext | dict):
+            context = ensure_context(given, self.run_defaults)
+        else:
+            context = self.default_context
+        if context.system_prompt != system_prompt:  # estimates count the agent's own system prompt
+            context = dataclasses.replace(context, system_prompt=system_prompt)
+        return context
+
+    def _sizer(self, tools: Sequence[BaseTool]) -> Sizer:
+        key = tuple(id(tool) for tool in tools)
+        sizer = self._sizers.get(key)
+        if sizer is None:
+            sizer = self._sizers[key] = Sizer(self.resolver, list(tools), self.count_tokens)
+        return sizer
+
+    async def awrap_model_call(
+        self,
+        request: ModelRequest[Any],
+        handler: Callable[[ModelRequest[Any]], Awaitable[ModelResponse[Any]]],
+    ) -> ModelResponse[Any] | AIMessage | ExtendedModelResponse[Any]:
+        """Score, route and make the agent's model call through the provider chain, and record it."""
+        system_prompt = request.system_message.text if request.system_message is not None else ""
+        context = self._context(request.runtime.context, system_prompt)
+        messages = request.messages
+        state: Mapping[str, Any] = request.state
+        turn, step = turn_and_step(messages)
+        plan = step == 0
+        view: State = {**state, "messages": messages, "step": step - 1, "turn": turn}  # type: ignore[typeddict-item]
+        tools = [tool for tool in request.tools if isinstance(tool, BaseTool)]
+        sizer = self._sizer(tools)
+        chain = await self.resolver.chain(context)
+        anchors = dict(state.get("anchors") or {})
+        sizes = await sizer.measure(chain, messages, anchors, context)
+        decision, signals = next_route(
+            view,
+            context,
+            self.count_tokens,
+            plan=plan,
+            prompt_tokens=sizes.score_tokens,
+            budget=sizes.budget,
+            tools=tools,
+        )
+        thread_id = thread_id_of(get_config())
+        order = await order_step(
+            sizer,
+            view,
+            context,
+            node="model",
+            kind="plan" if plan else "step",
+            step=step,
+            turn=turn,
+            decision=decision,
+            signals=signals,
+            thread_id=thread_id,
+            sizes=sizes,
+        )
+        prepared = await sizer.prepare(
+            chain, order.decision.leg, messages, anchors, context, sizes=order.sizes
+        )
+        bounds = sizer.bounds(chain, prepared, context, order.check)
+        if order.check.over is not None:  # the budget binds the walk: never over to cloud past it
+            allowed = bounds.allowed if bounds.allowed is not None else {x.id for x in chain.links}
+            local = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")
+            if not local:
+                return self._over_budget(order, prepared.decided(order.decision))
+            bounds = dataclasses.replace(bounds, allowed=local)
+        responses: list[ModelResponse[Any]] = []
+
+        async def send(model: BaseChatModel, kwargs: Mapping[str, Any]) -> AIMessage:
+            settings = {**request.model_settings, **kwargs}
+            response = await handler(request.override(model=model, model_settings=settings))
+            responses.append(response)
+            answers = [m for m in response.result if isinstance(m, AIMessage)]
+            return answers[-1] if answers else AIMessage(content="")
+
+        call = Ask(
+            kind=order.kind,
+            turn=turn,
+            step=step,
+            decision=prepared.decided(order.decision),
+            prompt=[*([request.system_message] if request.system_message else []), *messages],
+            thread_id=thread_id,
+            tools=tools,
+            signals=signals,
+            extra=prepared.extra() | order.check.extra(),
+            send=send,
+        )
+        asked = await ask(
+            call,
+            chain=chain,
+            placer=self.resolver.placement,
+            bounds=bounds,
+            writer=request.runtime.stream_writer,
+        )
+        if asked.answer is None or not responses:
+            raise asked.exhausted or ChainExhausted("no provider answered", [], None)
+        record = asked.record
+        provider = record["provider"] or ""
+        update: dict[str, Any] = {
+            "route_log": [record],
+            "totals": records_totals([record]),
+            "leg": record["leg"],
+            "provider": record["provider"],
+            "anchors": prepared.anchors(anchors, record["leg"], record["prompt_tokens"], provider),
+        }
+        if order.decision.latch != state.get("latch"):  # the escalation latch (trouble_signals) moved
+            update["latch"] = order.decision.latch
+        if context.pace_slack is not None:
+            update["step_tally"] = step_tally([*state.get("route_log", []), record], state.get("step_tally"))
+        return ExtendedModelResponse(model_response=responses[-1], command=Command(update=update))
+
+    def _over_budget(self, order: StepOrder, decision: RouteDecision) -> ExtendedModelResponse[Any]:
+        """The step fits only a cloud window and the cloud budget does not allow it: the reply says so."""
+        why = order.check.over or "over budget"
+        record = unanswered_record(
+            turn=order.turn,
+            step=order.step,
+            kind=order.kind,
+            decision=decision,
+            signals=order.signals,
+            extra={"outcome": "over_budget", "cloud_budget": why},
+        )
+        message = AIMessage(prompts.OVER_BUDGET.format(fit="the local window cannot hold it", why=why))
+        return ExtendedModelResponse(
+            model_response=ModelResponse(result=[message]),
+            command=Command(update={"route_log": [record]}),
+        )
+
+
+__all__ = ["ROUTE_EVENT", "FusionRoutingMiddleware", "FusionRoutingState", "turn_and_step"]
