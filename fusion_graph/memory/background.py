@@ -43,6 +43,11 @@ def detach(job: Awaitable[Any], key: str | None = None) -> asyncio.Task[Any]:
     return task
 
 
+def runs_in_flight() -> int:
+    """Memory runs detached in this process and not finished yet (the metrics' pending jobs)."""
+    return sum(1 for task in _PENDING if not task.done())
+
+
 def loop_outlives_run() -> bool:
     """Whether the event loop a graph run runs on goes on after the run (not a server's isolated loop)."""
     return os.environ.get("BG_JOB_ISOLATED_LOOPS", "").strip().lower() not in {"1", "true", "yes", "on"}

@@ -110,6 +110,7 @@ class MemoryRuns:
         self.resolver = resolver
         self.memory_jobs = tuple(jobs)
         self.tools = list(tools)
+        telemetry.watch_pending_memory(background.runs_in_flight)
 
     @property
     def timeout_s(self) -> float:

@@ -134,6 +134,22 @@ def in_all_cloud_baseline(record: RouteRecord) -> bool:
     return record["kind"] != "shadow"
 
 
+def placement_of(record: RouteRecord) -> str | None:
+    """How a local inference was placed: ``shared`` (a lease), ``guest``, ``in_process`` or its fallback.
+
+    ``None`` for a cloud inference or one no provider answered.
+    """
+    if record["leg"] != "local" or record["provider"] is None:
+        return None
+    extra = record["extra"]
+    if extra.get("guest"):
+        return "guest"
+    placed = str(extra.get("placement", ""))
+    if placed == "shared":
+        return "shared"
+    return "in_process_fallback" if placed.startswith("in-process") else "in_process"
+
+
 def money(value: float | None) -> str:
     """USD with enough digits for sub-cent steps: ``$0.05``, ``$0.0041`` (``-`` when unknown)."""
     if value is None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fusion_graph.redact import scrub_repeated as scrub
-from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord, placement_of
 from fusion_graph.routing.score import score_band
 
 if TYPE_CHECKING:
@@ -63,20 +63,8 @@ NAMES = (
     "fusion_shadow_checks_total",
     "fusion_provider_cooldown",
     "fusion_shared_state_failures_total",
+    "fusion_memory_runs_pending",
 )
-
-
-def placement_of(record: RouteRecord) -> str | None:
-    """How a local inference was placed: ``shared`` (a lease), ``guest``, ``in_process`` or its fallback."""
-    if record["leg"] != "local" or record["provider"] is None:
-        return None
-    extra = record["extra"]
-    if extra.get("guest"):
-        return "guest"
-    placed = str(extra.get("placement", ""))
-    if placed == "shared":
-        return "shared"
-    return "in_process_fallback" if placed.startswith("in-process") else "in_process"
 
 
 class Failing(Protocol):
@@ -102,6 +90,20 @@ class _SharedState(Collector):
         )
         counter.add_metric([], float(sum(state.failures for state in list(self.states))))
         yield counter
+
+
+class _PendingMemory(Collector):
+    """``fusion_memory_runs_pending``: memory runs detached in this process and not finished, at scrape."""
+
+    def __init__(self) -> None:
+        self.count: Callable[[], int] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "fusion_memory_runs_pending", "Memory runs detached in this process and still running"
+        )
+        gauge.add_metric([], float(self.count() if self.count is not None else 0))
+        yield gauge
 
 
 class _Cooldowns(Collector):
@@ -191,9 +193,10 @@ class Metrics:
         )
         self.cooldowns = _Cooldowns()
         self.shared_states = _SharedState()
+        self.pending_memory = _PendingMemory()
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-            registry.register(self.cooldowns)
-            registry.register(self.shared_states)
+            for collector in (self.cooldowns, self.shared_states, self.pending_memory):
+                registry.register(collector)
 
     @classmethod
     def process(cls) -> Metrics:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -115,6 +115,12 @@ def watch_shared(shared: Failing) -> None:
     """Report the failed operations of the deployment's shared state (read at each scrape)."""
     if ACTIVE.metrics is not None:
         ACTIVE.metrics.watch_shared(shared)
+
+
+def watch_pending_memory(count: Callable[[], int]) -> None:
+    """Report the memory runs in flight in this process (``count`` is read at each scrape)."""
+    if ACTIVE.metrics is not None:
+        ACTIVE.metrics.pending_memory.count = count
 
 
 def job_finished(record: RouteRecord) -> None:

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from fusion_graph.redact import scrub, scrub_repeated
-from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord, placement_of
 
 #: Attribute values OpenTelemetry takes.
 Value = str | bool | int | float
@@ -80,7 +80,7 @@ def inference_attributes(
         "fusion.reason": record["reason"],
         "fusion.slot": record["slot"],
         "fusion.box": extra.get("box"),
-        "fusion.placement": extra.get("placement") or ("guest" if extra.get("guest") else None),
+        "fusion.placement": placement_of(record),
         "fusion.processed_tokens": record["processed_tokens"],
         "fusion.cost_usd": record["cost_usd"],
         "fusion.kept_local_by_budget": bool(record.get("kept_local_by_budget")),

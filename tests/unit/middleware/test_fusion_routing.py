@@ -196,3 +196,29 @@ async def test_route_events_reach_the_custom_stream() -> None:
     phases = [(e["phase"], e["kind"]) for e in events if e.get("event") == "fusion_route"]
     assert phases[:2] == [("decision", "plan"), ("outcome", "plan")]
     assert sum(1 for phase, _ in phases if phase == "outcome") == 6
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        ({"cloud_model": "a-model-the-operator-never-allowed"}, "is not allowed for this deployment"),
+        ({"cloud_share": 150}, "must be between 0 and 100"),
+        ({"workspace_root": "/etc"}, "outside the operator's workspace"),
+    ],
+)
+async def test_a_run_context_may_narrow_the_operator_s_settings_never_widen_them(
+    context: dict[str, Any], message: str
+) -> None:
+    from fusion_graph.errors import ContextError
+
+    cloud, local = shared()
+    agent = create_agent(
+        model=cloud,
+        tools=[echo],
+        middleware=[FusionRoutingMiddleware(cloud_model=cloud, local_model=local)],
+        checkpointer=InMemorySaver(),
+    )
+    with pytest.raises(ContextError, match=message):
+        await agent.ainvoke(
+            {"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": "h"}}, context=context
+        )

@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.providers.ask import all_cloud_cost
 from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.routing.records import placement_of
 from fusion_graph.routing.score import score_band
 from fusion_graph.telemetry import switch
-from fusion_graph.telemetry.metrics import NAMES, Metrics, placement_of
+from fusion_graph.telemetry.metrics import NAMES, Metrics
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 
@@ -189,3 +190,11 @@ def test_shared_state_failures_are_read_at_each_scrape(registry: CollectorRegist
     assert sample(registry, "fusion_shared_state_failures_total") == 0
     shared.failures = 3
     assert sample(registry, "fusion_shared_state_failures_total") == 3
+
+
+def test_pending_memory_runs_are_read_at_each_scrape(registry: CollectorRegistry) -> None:
+    in_flight = [0]
+    switch.watch_pending_memory(lambda: in_flight[0])
+    assert sample(registry, "fusion_memory_runs_pending") == 0
+    in_flight[0] = 2
+    assert sample(registry, "fusion_memory_runs_pending") == 2
