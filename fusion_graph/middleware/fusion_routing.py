@@ -44,7 +44,7 @@ from fusion_graph import prompts
 from fusion_graph.context import FusionContext, context_defaults, ensure_context
 from fusion_graph.errors import ChainExhausted
 from fusion_graph.inputs import thread_id_of
-from fusion_graph.nodes.route import StepOrder, order_step
+from fusion_graph.nodes.route import StepOrder, decide_step
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.measure import Sizer
@@ -53,7 +53,7 @@ from fusion_graph.routing.records import RouteRecord, add_totals, records_totals
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
-from fusion_graph.sizing.turn import next_route, step_tally, turn_start
+from fusion_graph.sizing.turn import step_tally, turn_start
 from fusion_graph.state import PromptAnchor, State, StepTally
 
 
@@ -158,40 +158,25 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
         sizer = self._sizer(tools)
         chain = await self.resolver.chain(context)
         anchors = dict(state.get("anchors") or {})
-        sizes = await sizer.measure(chain, messages, anchors, context)
-        decision, signals = next_route(
-            view,
-            context,
-            self.count_tokens,
-            plan=plan,
-            prompt_tokens=sizes.score_tokens,
-            budget=sizes.budget,
-            tools=tools,
-        )
         thread_id = thread_id_of(get_config())
-        order = await order_step(
+        order = await decide_step(
             sizer,
             view,
             context,
-            node="model",
-            kind="plan" if plan else "step",
-            step=step,
+            self.count_tokens,
+            tools,
+            plan=plan,
             turn=turn,
-            decision=decision,
-            signals=signals,
             thread_id=thread_id,
-            sizes=sizes,
+            node="model",
         )
+        signals = order.signals
         prepared = await sizer.prepare(
             chain, order.decision.leg, messages, anchors, context, sizes=order.sizes
         )
         bounds = sizer.bounds(chain, prepared, context, order.check)
-        if order.check.over is not None:  # the budget binds the walk: never over to cloud past it
-            allowed = bounds.allowed if bounds.allowed is not None else {x.id for x in chain.links}
-            local = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")
-            if not local:
-                return self._over_budget(order, prepared.decided(order.decision))
-            bounds = dataclasses.replace(bounds, allowed=local)
+        if order.check.over is not None and not bounds.allowed:  # only cloud could hold it: over budget
+            return self._over_budget(order, prepared.decided(order.decision))
         responses: list[ModelResponse[Any]] = []
 
         async def send(model: BaseChatModel, kwargs: Mapping[str, Any]) -> AIMessage:

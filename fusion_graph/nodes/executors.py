@@ -30,7 +30,7 @@ from fusion_graph.memory.background import inference_running
 from fusion_graph.memory.store import namespace_of, shadows_namespace
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.nodes.memory import Recall, TurnStart
-from fusion_graph.nodes.route import RouteNode, StepOrder, order_step, step_key
+from fusion_graph.nodes.route import RouteNode, StepOrder, decide_step, order_step, step_key
 from fusion_graph.nodes.shadow import ShadowChecks, recorded_elsewhere
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, overflowed
@@ -39,7 +39,6 @@ from fusion_graph.routing.budget import BudgetCheck
 from fusion_graph.routing.records import StepKind, add_totals, records_totals, unanswered_record
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt
-from fusion_graph.sizing.turn import next_route
 from fusion_graph.state import State
 
 #: State fields with reducers: what a node writes there is always new.
@@ -115,12 +114,8 @@ class InferenceNodes:
                 if prepared.compaction is not None:
                     _stream_compaction(runtime, (turn, step, kind), decision.leg, prepared)
                 bounds = self.sizer.bounds(chain, prepared, context, check)
-                if check.over is not None:
-                    allowed = bounds.allowed if bounds.allowed is not None else {x.id for x in chain.links}
-                    local = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")
-                    if not local:  # only cloud can hold it, and the budget does not allow cloud
-                        return _over_budget_end(order, prepared.decided(decision), prepared, check), True
-                    bounds = dataclasses.replace(bounds, allowed=local)
+                if check.over is not None and not bounds.allowed:  # only cloud could hold it: over budget
+                    return _over_budget_end(order, prepared.decided(decision), prepared, check), True
                 call = Ask(
                     kind=kind,
                     turn=turn,
@@ -225,30 +220,17 @@ class InferenceNodes:
         recalled = start.message
         if recalled is not None:
             state = {**state, "messages": [*state["messages"], recalled]}
-        chain = await self.resolver.chain(context)
-        sizes = await self.sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
-        decision, signals = next_route(
-            state,
-            context,
-            self.count_tokens,
-            plan=True,
-            prompt_tokens=sizes.score_tokens,
-            budget=sizes.budget,
-            tools=self.tools,
-        )
         turn = state.get("turn", -1) + 1
-        order = await order_step(
+        thread_id = thread_id_of(get_config())
+        order = await decide_step(
             self.sizer,
             state,
             context,
-            node="plan",
-            kind="plan",
-            step=0,
+            self.count_tokens,
+            self.tools,
+            plan=True,
             turn=turn,
-            decision=decision,
-            signals=signals,
-            thread_id=thread_id_of(get_config()),
-            sizes=sizes,
+            thread_id=thread_id,
         )
         update, answered = await self._infer(order, state, runtime)
         if not answered:

@@ -21,7 +21,7 @@ against the cloud budget and picked for a shadow check.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
@@ -125,6 +125,53 @@ async def order_step(
     return StepOrder(node, kind, step, turn, decision, signals, sizes, check, shadow, prefer_provider)
 
 
+async def decide_step(
+    sizer: Sizer,
+    state: State,
+    context: FusionContext,
+    count_tokens: TokenCounter,
+    tools: Sequence[BaseTool],
+    *,
+    plan: bool,
+    turn: int,
+    thread_id: str,
+    node: str | None = None,
+) -> StepOrder:
+    """The step about to run on ``state``, decided once: measured, routed by the rule, ordered.
+
+    The plan (``plan``: the turn's step 0), a continuation step after a batch, and a
+    ``create_agent`` model call (``middleware``) are all decided here; ``node``
+    defaults to the leg the order starts on.
+    """
+    chain = await sizer.resolver.chain(context)
+    sizes = await sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
+    decision, signals = next_route(
+        state,
+        context,
+        count_tokens,
+        plan=plan,
+        prompt_tokens=sizes.score_tokens,
+        budget=sizes.budget,
+        tools=tools,
+    )
+    order = await order_step(
+        sizer,
+        state,
+        context,
+        node=node or decision.leg,
+        kind="plan" if plan else "step",
+        step=0 if plan else next_step(state),
+        turn=turn,
+        decision=decision,
+        signals=signals,
+        thread_id=thread_id,
+        sizes=sizes,
+    )
+    if node is None and order.decision.leg != decision.leg:  # the budget guard moved it local
+        order = replace(order, node=order.decision.leg)
+    return order
+
+
 @dataclass(frozen=True)
 class Routed:
     """Where the turn goes after a batch and, for a step on a leg, the order that sends it there.
@@ -213,33 +260,12 @@ class RouteNode:
             if state.get("repair_attempts", 0) >= context.max_repair_attempts:
                 return Routed(goto="give_up")
             return Routed(goto="repair")
-        chain = await self.sizer.resolver.chain(context)
-        sizes = await self.sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
-        decision, signals = next_route(
-            state,
-            context,
-            self.count_tokens,
-            prompt_tokens=sizes.score_tokens,
-            budget=sizes.budget,
-            tools=list(self.tools.values()),
-        )
+        tools = list(self.tools.values())
         turn = state.get("turn", 0)
-        order = await order_step(
-            self.sizer,
-            state,
-            context,
-            node=decision.leg,
-            kind="step",
-            step=step,
-            turn=turn,
-            decision=decision,
-            signals=signals,
-            thread_id=thread_id,
-            sizes=sizes,
+        order = await decide_step(
+            self.sizer, state, context, self.count_tokens, tools, plan=False, turn=turn, thread_id=thread_id
         )
-        leg = order.decision.leg  # the budget guard may have moved it local
-        if leg != decision.leg:
-            order = replace(order, node=leg)
+        decision, leg = order.decision, order.decision.leg
         update: dict[str, Any] = {}
         if decision.latch != state.get("latch"):  # the escalation latch (trouble_signals) moved
             update["latch"] = decision.latch

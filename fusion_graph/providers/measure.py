@@ -327,16 +327,21 @@ class Sizer:
     ) -> Bounds:
         """What bounds each attempt of the prepared step: links, windows, budgets, time.
 
-        A cloud link's completion budget is capped by the cloud budget's ``check``.
+        A cloud link's completion budget is capped by the cloud budget's ``check``;
+        over the budget no cloud link is allowed (no fallover to cloud past it), so
+        ``allowed`` is empty when only a cloud window could hold the step.
         """
         sizes = prepared.sizes
+        allowed = frozenset(prepared.plan.allowed)
+        if check.over is not None:
+            allowed = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")
         max_tokens = {link.id: self.budget_of(link, sizes, context) for link in chain.links}
         if check.max_tokens is not None:
             for link in chain.links:
                 if link.leg == "cloud":
                     max_tokens[link.id] = min(max_tokens[link.id], check.max_tokens)
         return Bounds(
-            allowed=frozenset(prepared.plan.allowed),
+            allowed=allowed,
             windows=sizes.windows,
             estimates=sizes.estimates,
             max_tokens=max_tokens,

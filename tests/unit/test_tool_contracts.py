@@ -340,7 +340,6 @@ async def test_runs_on_one_thread_queue_instead_of_forking_its_history() -> None
 async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import fusion_graph.nodes.executors as inference_module
     import fusion_graph.nodes.route as route_module
 
     decided: list[int] = []
@@ -348,13 +347,12 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
 
     def counting(state: Any, context: Any, count_tokens: Any = None, **sizes: Any) -> Any:
         decision, signals = real(state, context, count_tokens, **sizes)
-        if not sizes.get("plan"):  # the plan step routes itself; continuation steps only at route
+        if not sizes.get("plan"):  # every step is decided by route's one function, the plan too
             decided.append(decision.score.score if decision.score else -1)
         return decision, signals
 
-    # The executor scores no continuation step: it acts on the decision route handed over.
+    # The executor scores no step: it acts on the order the one decision function made.
     monkeypatch.setattr(route_module, "next_route", counting)
-    monkeypatch.setattr(inference_module, "next_route", counting)
     ledger: list[str] = []
     cloud = scripted("cloud", [ai_calls(call("echo", {"text": "a"}, "1"), call("echo", {"text": "b"}, "2"))])
     local = scripted("local", [ai_calls(call("echo", {"text": "c"}, "3")), "done"])
@@ -381,3 +379,12 @@ def test_a_sampling_tool_s_own_command_update_is_kept_beside_its_records() -> No
     assert as_dict.update == {"notes": "kept", "route_log": [record]}
     with pytest.raises(TypeError, match="dict or \\(key, value\\) pairs"):
         with_records(Command(update=object()), [record])
+
+
+def test_the_executors_and_the_middleware_decide_no_step_themselves() -> None:
+    """Every step is decided by ``nodes.route.decide_step``: the rule is called from one module."""
+    import fusion_graph.middleware.fusion_routing as middleware_module
+    import fusion_graph.nodes.executors as inference_module
+
+    assert not hasattr(inference_module, "next_route") and not hasattr(middleware_module, "next_route")
+    assert not hasattr(inference_module, "check_budget") and not hasattr(middleware_module, "check_budget")
