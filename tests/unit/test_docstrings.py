@@ -27,7 +27,7 @@ DOTTED = re.compile(r"``([a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?:\(\))?
 #: OpenTelemetry attribute names).
 NOT_NAMES = re.compile(
     r"\.(py|json|toml|md|jsonl|sqlite|txt|log)$|^(record|extra|state|runtime|context|settings|config"
-    r"|gen_ai|fusion)\."
+    r"|request|gen_ai|fusion)\."
 )
 
 
