@@ -176,20 +176,6 @@ async def interleaved(
     return times
 
 
-async def measure_telemetry(rounds: int, steps: int, progress: Progress | None = None) -> dict[str, Any]:
-    """Interleaved ``rounds`` pairs of fusion turns with telemetry off and on: median ms per step, ratio."""
-    off, on = await interleaved(rounds, steps, run_fusion, run_fusion_telemetry, progress)
-    off_med, on_med = statistics.median(off), statistics.median(on)
-    return {
-        "steps_per_turn": steps,
-        "rounds": rounds,
-        "off_ms_per_step": round(off_med * 1000, 3),
-        "on_ms_per_step": round(on_med * 1000, 3),
-        "ratio": round(on_med / off_med, 3),
-        "added_ms_per_step": round((on_med - off_med) * 1000, 3),
-    }
-
-
 async def run_agent_routed(steps: int, thread: str) -> float:
     """Seconds one ``steps``-step turn takes through ``create_agent`` with ``FusionRoutingMiddleware``."""
     from fusion_graph.middleware import FusionRoutingMiddleware
@@ -209,17 +195,19 @@ async def run_agent_routed(steps: int, thread: str) -> float:
     return elapsed
 
 
-async def measure_middleware(rounds: int, steps: int, progress: Progress | None = None) -> dict[str, Any]:
-    """Interleaved ``rounds`` pairs of ``create_agent`` turns without and with the middleware."""
-    plain, routed = await interleaved(rounds, steps, run_agent, run_agent_routed, progress)
-    plain_med, routed_med = statistics.median(plain), statistics.median(routed)
+async def measure_on_off(
+    rounds: int, steps: int, off: Runner, on: Runner, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Interleaved ``rounds`` pairs of turns without and with something: median ms per step, ratio."""
+    without, with_it = await interleaved(rounds, steps, off, on, progress)
+    off_med, on_med = statistics.median(without), statistics.median(with_it)
     return {
         "steps_per_turn": steps,
         "rounds": rounds,
-        "off_ms_per_step": round(plain_med * 1000, 3),
-        "on_ms_per_step": round(routed_med * 1000, 3),
-        "ratio": round(routed_med / plain_med, 3),
-        "added_ms_per_step": round((routed_med - plain_med) * 1000, 3),
+        "off_ms_per_step": round(off_med * 1000, 3),
+        "on_ms_per_step": round(on_med * 1000, 3),
+        "ratio": round(on_med / off_med, 3),
+        "added_ms_per_step": round((on_med - off_med) * 1000, 3),
     }
 
 
@@ -254,8 +242,15 @@ async def measure_all(
     results = []
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         for length in steps:
-            how = measure_telemetry if telemetry else measure_middleware if middleware else measure
-            results.append(await how(rounds or default_rounds(length), length, progress))
+            count = rounds or default_rounds(length)
+            if telemetry:  # the same fusion turn with metrics and traces off, then on
+                results.append(
+                    await measure_on_off(count, length, run_fusion, run_fusion_telemetry, progress)
+                )
+            elif middleware:  # the same create_agent agent without FusionRoutingMiddleware, then with it
+                results.append(await measure_on_off(count, length, run_agent, run_agent_routed, progress))
+            else:
+                results.append(await measure(count, length, progress))
     return {
         "results": results,
         "target_ratio": TARGET_RATIO,

@@ -44,13 +44,13 @@ from fusion_graph import prompts
 from fusion_graph.context import FusionContext, context_defaults, ensure_context
 from fusion_graph.errors import ChainExhausted
 from fusion_graph.inputs import thread_id_of
-from fusion_graph.nodes.route import StepOrder, decide_step
-from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
+from fusion_graph.nodes.route import decide_step, over_budget
+from fusion_graph.providers.ask import Ask, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.routing.records import RouteRecord, add_totals, records_totals, unanswered_record
-from fusion_graph.routing.score import Leg, RouteDecision
+from fusion_graph.routing.records import RouteRecord, add_totals, records_totals
+from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.sizing.turn import step_tally, turn_start
@@ -176,7 +176,10 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
         )
         bounds = sizer.bounds(chain, prepared, context, order.check)
         if order.check.over is not None and not bounds.allowed:  # only cloud could hold it: over budget
-            return self._over_budget(order, prepared.decided(order.decision))
+            record, reply = over_budget(order, prepared)
+            return ExtendedModelResponse(
+                model_response=ModelResponse(result=[reply]), command=Command(update={"route_log": [record]})
+            )
         responses: list[ModelResponse[Any]] = []
 
         async def send(model: BaseChatModel, kwargs: Mapping[str, Any]) -> AIMessage:
@@ -222,22 +225,5 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
             update["step_tally"] = step_tally([*state.get("route_log", []), record], state.get("step_tally"))
         return ExtendedModelResponse(model_response=responses[-1], command=Command(update=update))
 
-    def _over_budget(self, order: StepOrder, decision: RouteDecision) -> ExtendedModelResponse[Any]:
-        """The step fits only a cloud window and the cloud budget does not allow it: the reply says so."""
-        why = order.check.over or "over budget"
-        record = unanswered_record(
-            turn=order.turn,
-            step=order.step,
-            kind=order.kind,
-            decision=decision,
-            signals=order.signals,
-            extra={"outcome": "over_budget", "cloud_budget": why},
-        )
-        message = AIMessage(prompts.OVER_BUDGET.format(fit="the local window cannot hold it", why=why))
-        return ExtendedModelResponse(
-            model_response=ModelResponse(result=[message]),
-            command=Command(update={"route_log": [record]}),
-        )
 
-
-__all__ = ["ROUTE_EVENT", "FusionRoutingMiddleware", "FusionRoutingState", "turn_and_step"]
+__all__ = ["FusionRoutingMiddleware", "FusionRoutingState", "turn_and_step"]

@@ -16,13 +16,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
 
-from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.errors import StateError
 from fusion_graph.inputs import check_new_turn, thread_id_of
@@ -30,13 +28,13 @@ from fusion_graph.memory.background import inference_running
 from fusion_graph.memory.store import namespace_of, shadows_namespace
 from fusion_graph.nodes.dispatch import check_batch
 from fusion_graph.nodes.memory import Recall, TurnStart
-from fusion_graph.nodes.route import RouteNode, StepOrder, decide_step, order_step, step_key
+from fusion_graph.nodes.route import RouteNode, StepOrder, decide_step, order_step, over_budget, step_key
 from fusion_graph.nodes.shadow import ShadowChecks, recorded_elsewhere
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, ask
 from fusion_graph.providers.measure import Prepared, Sizer, overflowed
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.routing.budget import BudgetCheck
-from fusion_graph.routing.records import StepKind, add_totals, records_totals, unanswered_record
+from fusion_graph.routing.records import StepKind, add_totals, records_totals
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt
 from fusion_graph.state import State
@@ -115,7 +113,7 @@ class InferenceNodes:
                     _stream_compaction(runtime, (turn, step, kind), decision.leg, prepared)
                 bounds = self.sizer.bounds(chain, prepared, context, check)
                 if check.over is not None and not bounds.allowed:  # only cloud could hold it: over budget
-                    return _over_budget_end(order, prepared.decided(decision), prepared, check), True
+                    return _over_budget_end(order, prepared), True
                 call = Ask(
                     kind=kind,
                     turn=turn,
@@ -316,25 +314,11 @@ class InferenceNodes:
         return update
 
 
-def _over_budget_end(
-    order: StepOrder, decision: RouteDecision, prepared: Prepared, check: BudgetCheck
-) -> dict[str, Any]:
-    """End the turn: the step fits only a cloud window, and the cloud budget does not allow it.
-
-    The record says why (no inference was made); the message tells the user what to do.
-    """
-    fit = prepared.plan.reason or "the local window cannot hold it"
-    why = check.over or "over budget"
-    record = unanswered_record(
-        turn=order.turn,
-        step=order.step,
-        kind=order.kind,
-        decision=decision,
-        signals=order.signals,
-        extra={"outcome": "over_budget", "cloud_budget": why, "fit": fit},
-    )
+def _over_budget_end(order: StepOrder, prepared: Prepared) -> dict[str, Any]:
+    """End the turn with ``route.over_budget``'s record and reply (the history as prepared)."""
+    record, reply = over_budget(order, prepared)
     return {
-        "messages": [*prepared.changes, AIMessage(prompts.OVER_BUDGET.format(fit=fit, why=why))],
+        "messages": [*prepared.changes, reply],
         "route_log": [record],
         "step": order.step,
         "stall": None,

@@ -25,20 +25,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
-from langchain_core.messages import ToolMessage
+from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 from langgraph.types import Command, Send
 
+from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.inputs import thread_id_of
 from fusion_graph.nodes.dispatch import sends
 from fusion_graph.nodes.shadow import picked
-from fusion_graph.providers.measure import Sizer, StepSizes
+from fusion_graph.providers.measure import Prepared, Sizer, StepSizes
 from fusion_graph.routing.budget import BudgetCheck
-from fusion_graph.routing.records import StepKind
+from fusion_graph.routing.records import RouteRecord, StepKind, unanswered_record
 from fusion_graph.routing.score import RouteDecision, StepSignals
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.sizing.turn import last_batch, next_route, next_step, pending_calls, step_tally
@@ -93,6 +94,24 @@ class StepOrder:
     check: BudgetCheck
     shadow: bool = False
     prefer_provider: str | None = None
+
+
+def over_budget(order: StepOrder, prepared: Prepared) -> tuple[RouteRecord, AIMessage]:
+    """The record and the reply of a step only a cloud window can hold, when the cloud budget refuses it.
+
+    No inference is made: the record says why, the reply tells the user what to do.
+    """
+    fit = prepared.plan.reason or "the local window cannot hold it"
+    why = order.check.over or "over budget"
+    record = unanswered_record(
+        turn=order.turn,
+        step=order.step,
+        kind=order.kind,
+        decision=prepared.decided(order.decision),
+        signals=order.signals,
+        extra={"outcome": "over_budget", "cloud_budget": why, "fit": fit},
+    )
+    return record, AIMessage(prompts.OVER_BUDGET.format(fit=fit, why=why))
 
 
 async def order_step(

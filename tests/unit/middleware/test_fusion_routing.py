@@ -222,3 +222,22 @@ async def test_a_run_context_may_narrow_the_operator_s_settings_never_widen_them
         await agent.ainvoke(
             {"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": "h"}}, context=context
         )
+
+
+async def test_a_call_only_cloud_could_make_over_the_budget_ends_with_the_graph_s_reply() -> None:
+    from fusion_graph import prompts
+
+    with FakeOpenAI([Reply(content="never")]) as cloud:
+        options: Any = {"api_key": "x", "max_retries": 0}
+        cloud_model = ChatOpenAI(model="c", base_url=cloud.base_url, **options)
+        middleware = FusionRoutingMiddleware(
+            cloud_model=cloud_model,
+            settings=FusionSettings(price_overrides={"c": (10.0, 10.0, 1.0)}),
+            context={"mode": "cloud", "thread_cloud_budget_usd": 0.0},
+        )
+        state = await run(agent_with(middleware, cloud_model), "ainvoke", context=None)
+        asked = cloud.requests
+    [record] = state["route_log"]
+    assert record["extra"]["outcome"] == "over_budget" and record["provider"] is None
+    assert asked == []  # no inference was made
+    assert state["messages"][-1].content.startswith(prompts.OVER_BUDGET.split("{")[0])
