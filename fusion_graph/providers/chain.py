@@ -40,6 +40,7 @@ from fusion_graph.providers.health import (
     HealthState,
     RetryPolicy,
     classify,
+    error_text,
     overflow_numbers,
     retry_after,
 )
@@ -440,7 +441,7 @@ class ProviderChain:
         if hurt:
             health.failed(self._clock(), f"{name}: {error}", wait, immediate=kind == "rate_limited")
         latency = self._clock() - start
-        message = scrub(str(error))[:500]  # scrub first: a cut could leave part of a key unmatched
+        message = scrub(error_text(error))[:500]  # scrub first: a cut could leave part of a key unmatched
         size = overflow_numbers(error)[0] if kind == "context_overflow" else None
         return Attempt(link.id, link.leg, name, kind, message, latency, hurt, probe, wait, size)
 

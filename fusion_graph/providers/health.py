@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
+import httpx
 import openai
 
 from fusion_graph.errors import MalformedAnswer
@@ -132,6 +133,32 @@ def _loop_bound(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def what_answered(response: httpx.Response) -> str:
+    """What a response that is not JSON holds, in a few words: ``an HTML page``, ``text/plain ...``."""
+    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        start = response.text.lstrip()[:15].lower()
+    except (httpx.ResponseNotRead, UnicodeDecodeError):  # a streamed body never read
+        start = ""
+    if kind == "text/html" or start.startswith(("<!doctype html", "<html")):
+        return "an HTML page"
+    return f"{kind} that is not JSON" if kind else "a body that is not JSON"
+
+
+def error_text(error: BaseException) -> str:
+    """An inference error's text; a status error whose body was not JSON also says what the body was.
+
+    The OpenAI client words an HTML error page as ``Error code: 405`` alone; the
+    page itself is what tells an operator the URL is a website, not an API.
+    """
+    text = str(error)
+    response = getattr(error, "response", None)
+    parsed = isinstance(getattr(error, "body", None), dict | list)  # the client keeps a non-JSON body as text
+    if isinstance(error, openai.APIStatusError) and not parsed and isinstance(response, httpx.Response):
+        text += f" (the server answered {what_answered(response)})"
+    return text
 
 
 def classify(error: BaseException) -> ErrorClass:

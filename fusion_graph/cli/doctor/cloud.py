@@ -7,18 +7,23 @@ is not an OpenAI-compatible API, and says so.
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from fusion_graph.cli.checks import KEY_IN_NAME, KEY_IN_NAME_FIX, key_variable
-from fusion_graph.cli.doctor.rows import Check, count, error_text, json_body, transport, what_answered
+from fusion_graph.cli.doctor.rows import Check, count, error_text, json_body, transport
+from fusion_graph.routing.records import Attempt
+from fusion_graph.routing.score import Leg
 
 if TYPE_CHECKING:
     import httpx
 
     from fusion_graph.context import FusionContext
+    from fusion_graph.providers.ask import Asked
     from fusion_graph.settings import FusionSettings
 
 #: The cloud base URL when ``cloud_base_url`` is empty (what the OpenAI SDK uses).
@@ -150,6 +155,8 @@ def cloud_key_check(settings: FusionSettings, found: FoundKey | None, *, local_o
 
 def not_an_api(name: str, method: str, url: str, base: str, response: httpx.Response) -> Check:
     """The row for a URL that answered with something other than JSON: not an OpenAI-compatible API."""
+    from fusion_graph.providers.health import what_answered
+
     return Check(
         name,
         "fail",
@@ -220,43 +227,107 @@ def _listed_models(settings: FusionSettings, url: str, code: int, response: http
     return Check("cloud endpoint", "ok", f"GET {url} answered {code}{listed}")
 
 
-def cloud_completion_check(settings: FusionSettings, key: FoundKey, client: httpx.Client, base: str) -> Check:
-    """``--live``: a one-token chat completion (``max_completion_tokens=1``, as the graph sends it)."""
-    import httpx
+#: ``openai``'s status errors say ``Error code: 401 - ...``; the attempt keeps that text (scrubbed).
+_STATUS = re.compile(r"Error code: (\d{3})")
+#: The one leg ``--live`` asks (a ``cross_leg_fallover`` chain would go on to the local one).
+CLOUD_ONLY: tuple[Leg, ...] = ("cloud",)
+#: What ``providers.health.error_text`` adds to a status error whose body was an HTML page: a site.
+_HTML_PAGE = "answered an HTML page"
 
-    name = "cloud completion"
-    url = f"{base}/chat/completions"
-    body = {
-        "model": settings.cloud_model,
-        "messages": [{"role": "user", "content": "Say ok."}],
-        "max_completion_tokens": 1,
-    }
-    try:
-        response = client.post(url, json=body, headers={"Authorization": f"Bearer {key.value}"})
-    except httpx.HTTPError as error:
-        return Check(name, "fail", f"cannot reach {url} ({transport(error)})", "check FUSION_CLOUD_BASE_URL")
-    code, text = response.status_code, error_text(response)
-    model = settings.cloud_model
-    if code < 500 and json_body(response) is None:
-        return not_an_api(name, "POST", url, base, response)
-    if code < 300:
-        return Check(name, "ok", f"{model} answered a one-token completion (HTTP {code})")
-    if code in (401, 403):
-        return Check(name, "fail", f"key refused for {model}: HTTP {code} ({text})", f"check {key.variable}")
-    if code == 404:
-        return Check(name, "fail", f"{model} not found: HTTP 404 ({text})", "check FUSION_CLOUD_MODEL")
-    if code == 429 and "quota" not in text.lower():
-        return Check(name, "warn", f"rate limited: HTTP 429 ({text})", "retry later")
-    if code == 429:
+
+def live_completion(settings: FusionSettings, timeout: float) -> Asked | Attempt:
+    """``--live``'s one-token completion: what came back, or the attempt that failed last.
+
+    Made as the graph makes every call: the link built by the resolver, the request
+    sent through ``ask`` (``max_tokens=1``, which the OpenAI client sends as
+    ``max_completion_tokens``).
+    """
+    from langchain_core.messages import HumanMessage
+
+    from fusion_graph.context import FusionContext
+    from fusion_graph.errors import ProviderRequestError
+    from fusion_graph.providers.ask import Ask, Bounds, ask
+    from fusion_graph.providers.resolver import ProviderResolver
+    from fusion_graph.routing.score import RouteDecision
+
+    async def once() -> Asked | Attempt:
+        quick = settings.model_copy(update={"request_timeout": timeout, "shared_state": "off"})
+        resolver = ProviderResolver(settings=quick)
+        try:
+            chain = (await resolver.chain(FusionContext(mode="cloud"))).only(CLOUD_ONLY)
+            call = Ask(
+                kind="plan",
+                turn=0,
+                step=0,
+                decision=RouteDecision("cloud", None, None, "doctor --live: a one-token completion"),
+                prompt=(HumanMessage("Say ok."),),
+                thread_id="",
+                max_tokens=1,
+                config={"callbacks": [], "run_name": "doctor:cloud"},
+            )
+            try:
+                asked = await ask(
+                    call, chain=chain, placer=resolver.placement, bounds=Bounds(timeout_s=timeout)
+                )
+            except ProviderRequestError as refused:  # a 4xx no provider would take: its attempt says why
+                return cast(Attempt, refused.attempts[-1])
+            if asked.answer is None and asked.exhausted is not None and asked.exhausted.attempts:
+                return cast(Attempt, asked.exhausted.attempts[-1])
+            return asked
+        finally:
+            await resolver.aclose()
+
+    return asyncio.run(once())
+
+
+def cloud_completion_check(settings: FusionSettings, key: FoundKey, *, timeout: float) -> Check:
+    """``--live``: a one-token chat completion through ``ask``; a failed attempt is read for its cause."""
+    name, model = "cloud completion", settings.cloud_model
+    result = live_completion(settings, timeout)
+    if not isinstance(result, Attempt):
+        if result.answer is None:  # nothing tried (the only link cooling down)
+            return Check(name, "fail", f"no provider answered: {result.record['reason']}", "retry later")
+        return Check(name, "ok", f"{model} answered a one-token completion")
+    text = result.message
+    found = _STATUS.search(text)
+    code = int(found.group(1)) if found else None
+    where = f"HTTP {code}" if code is not None else result.error
+    if _HTML_PAGE in text:
         return Check(
-            name, "fail", f"out of quota: HTTP 429 ({text})", "check the account's quota and billing"
+            name,
+            "fail",
+            f"the chat completion answered {where} with an HTML page: the endpoint is not an "
+            "OpenAI-compatible API",
+            "set FUSION_CLOUD_BASE_URL to the provider's API base URL (it ends in /v1; empty means OpenAI)",
         )
-    if code >= 500:
-        return Check(name, "fail", f"HTTP {code} ({text})", "retry later")
+    if result.kind == "malformed_response":
+        return Check(
+            name,
+            "fail",
+            f"the answer is not a chat completion ({text}): the endpoint is not an OpenAI-compatible API",
+            "set FUSION_CLOUD_BASE_URL to the provider's API base URL (it ends in /v1; empty means OpenAI)",
+        )
+    if code in (401, 403):
+        return Check(name, "fail", f"key refused for {model}: {where} ({text})", f"check {key.variable}")
+    if code == 404:
+        return Check(name, "fail", f"{model} not found: {where} ({text})", "check FUSION_CLOUD_MODEL")
+    if result.kind == "rate_limited" and "quota" not in text.lower():
+        return Check(name, "warn", f"rate limited: {where} ({text})", "retry later")
+    if result.kind == "rate_limited":
+        return Check(name, "fail", f"out of quota: {where} ({text})", "check the account's quota and billing")
+    if result.kind in ("timeout", "connection"):
+        return Check(
+            name,
+            "fail",
+            f"cannot reach the endpoint ({where}: {text})",
+            "check FUSION_CLOUD_BASE_URL and the network",
+        )
+    if result.kind == "server_error":
+        return Check(name, "fail", f"{where} ({text})", "retry later")
     return Check(
         name,
         "warn",
-        f"HTTP {code} ({text}): the key was accepted, the one-token request was refused",
+        f"{where} ({text}): the key was accepted, the one-token request was refused",
         "read the message: some models refuse a 1-token limit",
     )
 
@@ -271,7 +342,7 @@ def cloud_checks(
     with httpx.Client(timeout=timeout) as client:
         checks = [cloud_models_check(settings, key, client, base)]
         if live and key is not None and checks[0].status != "fail":
-            checks.append(cloud_completion_check(settings, key, client, base))
+            checks.append(cloud_completion_check(settings, key, timeout=timeout))
     return checks
 
 

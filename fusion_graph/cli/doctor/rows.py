@@ -64,12 +64,3 @@ def error_text(response: httpx.Response) -> str:
         message = message.get("message")
     text = message if isinstance(message, str) and message else response.text
     return scrub(" ".join(text.split())[:200])
-
-
-def what_answered(response: httpx.Response) -> str:
-    """What a response that is not JSON holds, in a few words: ``an HTML page``, ``plain text``."""
-    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    start = response.text.lstrip()[:15].lower()
-    if kind == "text/html" or start.startswith(("<!doctype html", "<html")):
-        return "an HTML page"
-    return f"{kind} that is not JSON" if kind else "a body that is not JSON"

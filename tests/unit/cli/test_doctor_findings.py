@@ -29,7 +29,7 @@ from fusion_graph.providers.llama_server import (
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.fit import LinkRoom, fits
 from fusion_graph_testing import free_port
-from fusion_graph_testing.fake_openai import FakeOpenAI
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.unit.cli.test_traces import runner
 
 START = re.compile(r"llama-server -m MODEL\.gguf --jinja -np (\d+) -c (\d+) --port (\d+)")
@@ -162,12 +162,34 @@ def test_an_html_cloud_url_fails_as_not_an_api(web_page: str, monkeypatch: pytes
         assert "quota" not in result.stdout
 
 
-def test_an_html_completion_answer_is_not_an_api_either() -> None:
-    page = httpx.Response(405, content=HTML, headers={"Content-Type": "text/html"})
-    client = httpx.Client(transport=httpx.MockTransport(lambda request: page))
-    completion = cloud_completion_check(FusionSettings(), KEY, client, "http://h/v1")
-    assert completion.status == "fail" and "not an OpenAI-compatible API" in completion.detail
-    assert "quota" not in completion.detail + completion.fix
+@pytest.mark.parametrize(
+    ("reply", "said"),
+    [
+        (Reply(status=405, raw=HTML), "with an HTML page"),
+        (Reply(status=200, raw=b"hello"), "not an OpenAI-compatible API"),
+        (Reply(status=404, raw=b'{"error": {"message": "The model does not exist"}}'), "not found: HTTP 404"),
+        (Reply(status=429, raw=b'{"error": {"message": "You exceeded your current quota"}}'), "out of quota"),
+        (Reply(status=400, raw=b'{"error": {"message": "max_tokens too small"}}'), "request was refused"),
+    ],
+)
+def test_the_live_completion_goes_through_ask_and_reads_its_failed_attempt(
+    reply: Reply, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY.value)
+    with FakeOpenAI() as cloud:
+        monkeypatch.setenv("FUSION_CLOUD_BASE_URL", cloud.base_url)
+        cloud.script([reply])
+        completion = cloud_completion_check(FusionSettings(cloud_model="fake"), KEY, timeout=5)
+        assert said in completion.detail, completion
+        assert completion.status in ("fail", "warn") and "quota" not in completion.fix.replace(
+            "account's quota", ""
+        )
+        assert cloud.requests[-1]["max_completion_tokens"] == 1  # the body the graph sends
+        cloud.script([Reply(content="ok")])
+        assert cloud_completion_check(FusionSettings(cloud_model="fake"), KEY, timeout=5).status == "ok"
+
+
+def test_a_non_json_model_list_is_not_an_api() -> None:
     plain = httpx.Response(200, text="hello", headers={"Content-Type": "text/plain"})
     client = httpx.Client(transport=httpx.MockTransport(lambda request: plain))
     models = cloud_models_check(FusionSettings(), KEY, client, "http://h/v1")
