@@ -41,7 +41,7 @@ class Owner(TypedDict):
 class JobEntry(TicketFields):
     """A job log entry (``jobs_namespace``): one memory run of a thread, from pending to folded.
 
-    The ticket's own fields (``JobTicket.fields``) and what the run came to.
+    The ticket's ``run`` (``TicketFields``) and what the run came to.
     """
 
     jobs: list[str]
@@ -98,7 +98,7 @@ def pending_entry(
 ) -> JobEntry:
     """The entry written before a run starts (or restarts)."""
     return JobEntry(
-        **ticket.fields(),
+        **ticket.run,
         jobs=[job.name for job in jobs],
         status="pending",
         attempts=ticket.attempt,
@@ -129,8 +129,12 @@ def with_status(entry: JobEntry, status: Literal["pending", "done", "folded"]) -
 
 
 def ticket_of(entry: JobEntry, ns: tuple[str, ...], *, attempt: int | None = None) -> JobTicket:
-    """The ticket of a logged run (``ns``: the memories' namespace), as a re-run takes it up."""
-    return JobTicket.of(entry, ns, entry.get("attempts", 1) if attempt is None else attempt)
+    """The ticket of a logged run (``ns``: the memories' namespace), as a re-run takes it up.
+
+    Its ``run`` is the entry's own ``TicketFields`` part (every key ``TicketFields`` declares).
+    """
+    run = cast(TicketFields, {name: entry.get(name) for name in TicketFields.__annotations__})
+    return JobTicket(ns, run, entry.get("attempts", 1) if attempt is None else attempt)
 
 
 async def write_entry(store: BaseStore, ticket: JobTicket, entry: JobEntry) -> None:

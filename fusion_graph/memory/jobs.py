@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from langchain_core.messages import BaseMessage, HumanMessage
 from pydantic import BaseModel, Field
@@ -66,7 +66,16 @@ def job_prompt(system_prompt: str, messages: Sequence[BaseMessage], job: MemoryJ
 
 
 class TicketFields(TypedDict):
-    """What identifies a memory run, as plain data: the part of its job log entry the ticket writes."""
+    """What identifies a memory run: the part of its job log entry (``JobEntry``) the ticket writes.
+
+    Attributes:
+        thread_id: The thread whose conversation the jobs read.
+        turn: Turn of the thread when the run was started.
+        step: Last step of that turn the run covers.
+        covers: How many of the thread's messages (from the first) the jobs read.
+        last_message_id: Id of the last message covered, to check the thread still has it.
+        leg: The ``sub_runners`` leg.
+    """
 
     thread_id: str
     turn: int
@@ -78,44 +87,22 @@ class TicketFields(TypedDict):
 
 @dataclass(frozen=True)
 class JobTicket:
-    """One memory run of a thread: what it covers and where it writes (its job log entry).
+    """One memory run of a thread: what it covers (``run``, as its job log entry holds it), where it writes.
+
+    ``run`` is the entry's own value, not a copy of its fields: the entry is
+    ``run`` plus what the run came to, and a re-run takes ``run`` back from it.
 
     Attributes:
         namespace: The memories' namespace (the job log is ``jobs_namespace`` of it).
-        thread_id: The thread whose conversation the jobs read.
-        turn: Turn of the thread when the run was started.
-        step: Last step of that turn the run covers.
-        covers: How many of the thread's messages (from the first) the jobs read.
-        last_message_id: Id of the last message covered, to check the thread still has it.
-        leg: The ``sub_runners`` leg.
+        run: What identifies the run (thread, turn, step, what it covers, its leg).
         attempt: 1 for the first run, then one more per re-run after a crash.
     """
 
     namespace: tuple[str, ...]
-    thread_id: str
-    turn: int
-    step: int
-    covers: int
-    last_message_id: str | None
-    leg: Leg
+    run: TicketFields
     attempt: int = 1
 
     @property
     def key(self) -> str:
         """The job log key (also the prefix of the items' keys, so a re-run overwrites them)."""
-        return f"{self.thread_id}:{self.turn}:{self.step}"
-
-    def fields(self) -> TicketFields:
-        """The ticket's fields of its job log entry (every ``TicketFields`` key, read off the ticket)."""
-        return cast(TicketFields, {name: getattr(self, name) for name in TICKET_FIELDS})
-
-    @classmethod
-    def of(cls, fields: Mapping[str, Any], namespace: tuple[str, ...], attempt: int) -> JobTicket:
-        """The ticket of a logged run (``fields``: its entry), as a re-run takes it up."""
-        own: dict[str, Any] = {name: fields.get(name) for name in TICKET_FIELDS}
-        return cls(namespace=namespace, attempt=attempt, **own)
-
-
-#: The ticket's own fields in its job log entry: ``TicketFields``' keys, each an attribute of ``JobTicket``
-#: (a new field is declared in both, and converted by neither).
-TICKET_FIELDS: tuple[str, ...] = tuple(TicketFields.__annotations__)
+        return f"{self.run['thread_id']}:{self.run['turn']}:{self.run['step']}"

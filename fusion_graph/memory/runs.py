@@ -318,7 +318,7 @@ class MemoryRuns:
                 logger.info("memory job %s is another worker's: not run here", ticket.key)
                 return []
             owner = late
-        await background.steps_settled(ticket.thread_id, timeout=self.timeout_s)
+        await background.steps_settled(ticket.run["thread_id"], timeout=self.timeout_s)
         shared = self.resolver.shared if owner is not None and owner.claimed else None
         name = owner.name if owner is not None else ""
         heartbeat = None
@@ -376,13 +376,13 @@ class MemoryRuns:
 
         runner = JobRunner(
             chain=chain,
-            leg=ticket.leg,
+            leg=ticket.run["leg"],
             system_prompt=context.system_prompt,
             tools=self.tools,
             # The reflection slot, with the thread's routing key: behind a gateway the job runs on
             # the thread's box, near its cache.
             placer=self.resolver.placement,
-            thread_id=ticket.thread_id,
+            thread_id=ticket.run["thread_id"],
             max_tokens=context.memory_max_tokens,
             timeout_s=self.resolver.settings.request_timeout,
             config=config,
@@ -393,7 +393,7 @@ class MemoryRuns:
         async def one(job: MemoryJob) -> list[RouteRecord]:
             try:
                 result, records, dropped = await asyncio.wait_for(
-                    run_job(job, messages, runner, turn=ticket.turn, step=ticket.step),
+                    run_job(job, messages, runner, turn=ticket.run["turn"], step=ticket.run["step"]),
                     timeout=self.timeout_s,
                 )
             except TimeoutError:
@@ -423,7 +423,7 @@ class MemoryRuns:
 
     def dropped(self, job: MemoryJob, ticket: JobTicket, why: str) -> RouteRecord:
         """The record of a job of this run that stored nothing, and why."""
-        record = dropped_record(job, ticket.leg, ticket.turn, ticket.step, why)
+        record = dropped_record(job, ticket.run["leg"], ticket.run["turn"], ticket.run["step"], why)
         record["extra"] |= {"job_key": ticket.key, "attempt": ticket.attempt, "outcome": "dropped"}
         return record
 
@@ -449,9 +449,9 @@ class MemoryRuns:
 def _covered(messages: Sequence[BaseMessage], ticket: JobTicket) -> list[BaseMessage]:
     """The messages a logged run covers: the thread's first ``covers``, up to its last message id."""
     ids = [m.id for m in messages]
-    end = ticket.covers
-    if ticket.last_message_id is not None and ticket.last_message_id in ids:
-        end = ids.index(ticket.last_message_id) + 1
+    end = ticket.run["covers"]
+    if ticket.run["last_message_id"] is not None and ticket.run["last_message_id"] in ids:
+        end = ids.index(ticket.run["last_message_id"]) + 1
     return list(messages[:end])
 
 

@@ -97,9 +97,9 @@ async def store_items(
         value = {
             **item,
             "job": job.name,
-            "thread_id": ticket.thread_id,
-            "turn": ticket.turn,
-            "step": ticket.step,
+            "thread_id": ticket.run["thread_id"],
+            "turn": ticket.run["turn"],
+            "step": ticket.run["step"],
             "at": now,
         }
         key = f"{ticket.key}:{job.name}:{index}"
@@ -107,7 +107,12 @@ async def store_items(
         keys.append(key)
         stored.append(value)
     if ticket.attempt > 1:  # an earlier run may have stored more items than this one
-        where = {"thread_id": ticket.thread_id, "turn": ticket.turn, "step": ticket.step, "job": job.name}
+        where = {
+            "thread_id": ticket.run["thread_id"],
+            "turn": ticket.run["turn"],
+            "step": ticket.run["step"],
+            "job": job.name,
+        }
         for old in await search_all(store, ns, where):
             if old.key not in keys:
                 await store.adelete(ns, old.key)

@@ -28,7 +28,7 @@ from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.inputs import thread_id_of
 from fusion_graph.memory.background import detach, loop_outlives_run
 from fusion_graph.memory.job_log import pending_entry, thread_entries, write_entry
-from fusion_graph.memory.jobs import JobTicket
+from fusion_graph.memory.jobs import JobTicket, TicketFields
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.memory.store import memory_message, namespace_of, recall
 from fusion_graph.providers.ask import ROUTE_EVENT
@@ -158,8 +158,7 @@ class MemoryNodes:
         messages = list(state["messages"])
         last = messages[-1] if messages else None
         over = await self._over_budget(state, messages, context)
-        ticket = JobTicket(
-            namespace=namespace_of(config, self.graph_name),
+        covered = TicketFields(
             thread_id=thread_id_of(config),
             turn=state.get("turn", 0),
             step=state.get("step", 0),
@@ -167,6 +166,7 @@ class MemoryNodes:
             last_message_id=last.id if last is not None else None,
             leg="cloud" if context.sub_runners == "cloud" and over is None else "local",
         )
+        ticket = JobTicket(namespace_of(config, self.graph_name), covered)
         if context.memory_mode == "inline":
             records = await self.runs.run(ticket, messages, context, store, config=config, over_budget=over)
             return records_update(records, runtime)
@@ -181,7 +181,7 @@ class MemoryNodes:
         if not loop_outlives_run():  # this run's loop stops with it: see the jobs through here
             await asyncio.wait({task}, timeout=self.runs.lease_s)
         try:
-            entries = await thread_entries(store, ticket.namespace, ticket.thread_id)
+            entries = await thread_entries(store, ticket.namespace, ticket.run["thread_id"])
         except Exception:
             logger.exception("reading the memory job log failed")
             return {}

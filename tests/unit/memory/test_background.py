@@ -30,7 +30,7 @@ from fusion_graph.memory.job_log import (
     thread_entries,
     write_entry,
 )
-from fusion_graph.memory.jobs import JobTicket
+from fusion_graph.memory.jobs import JobTicket, TicketFields
 from fusion_graph.prompts import SYSTEM_PROMPT
 from fusion_graph.routing.records import RouteRecord
 from fusion_graph.sizing.tokens import build_prompt
@@ -223,7 +223,10 @@ async def thread_with_a_stale_job(attempts: int) -> tuple[Any, InMemoryStore, Jo
     )
     out = await graph.ainvoke(user_input("I like tabs"), CONFIG, context=FusionContext(sub_runners="off"))
     messages = out["messages"]
-    ticket = JobTicket(NS, "t1", 0, 0, len(messages), messages[-1].id, "local", attempt=attempts)
+    run = TicketFields(
+        thread_id="t1", turn=0, step=0, covers=len(messages), last_message_id=messages[-1].id, leg="local"
+    )
+    ticket = JobTicket(NS, run, attempt=attempts)
     entry = pending_entry(ticket, memory.DEFAULT_JOBS, lease_s=-1.0)
     entry["owner"] = Owner(host="elsewhere", pid=1)
     await write_entry(store, ticket, entry)
@@ -257,13 +260,14 @@ def test_records_of_finished_jobs_are_recognised_by_their_key() -> None:
     assert folded_keys([record, step]) == {"t:0:1"}
 
 
-def test_a_ticket_round_trips_through_its_job_log_fields_without_a_hand_written_list() -> None:
-    import dataclasses
+def test_a_ticket_is_taken_back_whole_from_its_job_log_entry() -> None:
+    from fusion_graph.memory.job_log import ticket_of
 
-    from fusion_graph.memory.jobs import TICKET_FIELDS, JobTicket
-
-    # Every field the entry keeps is the ticket's own: a field added to one and not the other fails here.
-    own = {f.name for f in dataclasses.fields(JobTicket)} - {"namespace", "attempt"}
-    assert set(TICKET_FIELDS) == own
-    ticket = JobTicket(NS, "t1", 2, 7, 12, "m-12", "cloud", attempt=3)
-    assert JobTicket.of(ticket.fields(), NS, 3) == ticket
+    # The entry holds the ticket's run as it is; a re-run takes every TicketFields key back.
+    run = TicketFields(thread_id="t1", turn=2, step=7, covers=12, last_message_id="m-12", leg="cloud")
+    ticket = JobTicket(NS, run, attempt=3)
+    entry = pending_entry(ticket, memory.DEFAULT_JOBS, lease_s=5.0)
+    assert entry["attempts"] == 3 and {k: entry[k] for k in run} == run  # type: ignore[literal-required]
+    assert ticket_of(entry, NS) == ticket
+    assert ticket_of(entry, NS, attempt=4) == JobTicket(NS, run, attempt=4)
+    assert ticket.key == "t1:2:7"
