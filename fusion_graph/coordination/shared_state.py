@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from fusion_graph.coordination.slot_leases import LeaseRow, SlotClaim, choose_slot
+from fusion_graph.coordination.slot_leases import LeaseAsk, LeaseRow, SlotClaim, choose_slot
 from fusion_graph.errors import FusionError, ProviderConfigError
 from fusion_graph.redact import register_url_secrets, scrub
 
@@ -423,19 +423,15 @@ class SharedState:
     def _pool_key(self, pool: str) -> str:
         return f"{self.namespace}|{pool}"
 
-    async def claim_slot(
-        self,
-        pool: str,
-        boxes: Sequence[str],
-        slots: int,
-        holder: str,
-        lease_s: float,
-        preferred: int,
-        *,
-        stay_home: bool = False,
-    ) -> SlotClaim:
-        """Claim (or renew) ``holder``'s slot in ``pool`` atomically; see ``choose_slot``."""
-        key, wanted = self._pool_key(pool), tuple(boxes)
+    async def claim_slot(self, ask: LeaseAsk) -> SlotClaim:
+        """Claim (or renew) the asking thread's slot in its pool atomically; see ``choose_slot``."""
+        key, wanted, slots, holder, lease_s = (
+            self._pool_key(ask.pool),
+            ask.boxes,
+            ask.slots,
+            ask.holder,
+            ask.lease_s,
+        )
 
         async def claim(connections: Any) -> SlotClaim:
             async with connections.connection() as conn, conn.transaction():
@@ -458,7 +454,7 @@ class SharedState:
                     found = await cursor.fetchone()
                     home = str(found[0]) if found else None
                 claim = choose_slot(
-                    rows, wanted, slots, holder, preferred % slots, home=home, stay_home=stay_home
+                    rows, wanted, slots, holder, ask.preferred % slots, home=home, stay_home=ask.stay_home
                 )
                 if claim.guest:
                     return claim

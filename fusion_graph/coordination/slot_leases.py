@@ -46,6 +46,29 @@ class SlotClaim:
 
 
 @dataclass(frozen=True)
+class LeaseAsk:
+    """What a thread asks a pool's lease table for, whichever table answers (Postgres, this process).
+
+    Attributes:
+        pool: The pool (a llama-server, or a gateway's boxes) the slots are in.
+        boxes: The boxes of the pool (base URLs without ``/v1``); one unless behind a gateway.
+        slots: Conversation slots per box.
+        holder: The thread (its routing key).
+        lease_s: Seconds the lease lasts without a request.
+        preferred: The slot a free-slot search starts from (the thread's hashed slot).
+        stay_home: Wait for the thread's home box rather than move (``SlotClaim.home_full``).
+    """
+
+    pool: str
+    boxes: tuple[str, ...]
+    slots: int
+    holder: str
+    lease_s: float
+    preferred: int = 0
+    stay_home: bool = False
+
+
+@dataclass(frozen=True)
 class LeaseRow:
     """One row of the slot table as the claim sees it."""
 
@@ -154,19 +177,9 @@ class LocalLeases:
         self._homes: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    async def claim_slot(
-        self,
-        pool: str,
-        boxes: Sequence[str],
-        slots: int,
-        holder: str,
-        lease_s: float,
-        preferred: int,
-        *,
-        stay_home: bool = False,
-    ) -> SlotClaim:
-        """Claim (or renew) ``holder``'s slot in ``pool``; see ``choose_slot``."""
-        wanted = tuple(boxes)
+    async def claim_slot(self, ask: LeaseAsk) -> SlotClaim:
+        """Claim (or renew) the asking thread's slot in its pool; see ``choose_slot``."""
+        pool, wanted, slots, holder, lease_s = ask.pool, ask.boxes, ask.slots, ask.holder, ask.lease_s
         with self._lock:
             now = time.monotonic()
             table = self._pools.setdefault(pool, {})
@@ -177,7 +190,7 @@ class LocalLeases:
             ]
             home = self._homes.get((pool, holder)) if len(wanted) > 1 else None
             claim = choose_slot(
-                rows, wanted, slots, holder, preferred % slots, home=home, stay_home=stay_home
+                rows, wanted, slots, holder, ask.preferred % slots, home=home, stay_home=ask.stay_home
             )
             if claim.guest:
                 return claim

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from langchain_core.language_models import BaseChatModel
 
 from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
-from fusion_graph.coordination.slot_leases import LocalLeases, SlotClaim
+from fusion_graph.coordination.slot_leases import LeaseAsk, LocalLeases, SlotClaim
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ServerProps
 from fusion_graph.providers.slots import BoxSlots, SlotPool, box_name, routing_key
@@ -211,18 +211,8 @@ HOME_POLL_S = 0.05
 class LeaseTable(Protocol):
     """Where leases are kept and the rule (``slot_leases.choose_slot``) runs: Postgres or this process."""
 
-    async def claim_slot(
-        self,
-        pool: str,
-        boxes: Sequence[str],
-        slots: int,
-        holder: str,
-        lease_s: float,
-        preferred: int,
-        *,
-        stay_home: bool = False,
-    ) -> SlotClaim:
-        """Claim (or renew) ``holder``'s slot in ``pool``."""
+    async def claim_slot(self, ask: LeaseAsk) -> SlotClaim:
+        """Claim (or renew) the asking thread's slot in its pool."""
         ...
 
     async def release_slot(self, pool: str, holder: str) -> None:
@@ -292,15 +282,10 @@ class LeasedPlacement:
         deadline = time.monotonic() + settings.slot_home_wait_s
         while True:
             stay = len(boxes) > 1 and time.monotonic() < deadline
-            claim = await table.claim_slot(
-                pool,
-                boxes,
-                slots.conversation_slots,
-                holder,
-                settings.slot_lease_s,
-                preferred,
-                stay_home=stay,
+            ask = LeaseAsk(
+                pool, tuple(boxes), slots.conversation_slots, holder, settings.slot_lease_s, preferred, stay
             )
+            claim = await table.claim_slot(ask)
             if not claim.home_full:
                 break
             await asyncio.sleep(HOME_POLL_S)

@@ -383,6 +383,20 @@ def summary(
     return _save(figure, path)
 
 
+def _plans_line(axes: Axes, shares: Shares, note: str | None = None) -> None:
+    """The share of steps the plans alone put on cloud, as a dotted line (none without steps)."""
+    plans, total = shares.plans, shares.all.steps
+    if total:
+        note = note or f"{plans.steps / total:.2f}"
+        axes.axhline(
+            plans.steps / total,
+            color="tab:red",
+            linestyle=":",
+            linewidth=0.9,
+            label=f"plans alone: {plans.steps} of {total} steps ({note})",
+        )
+
+
 def _share_panel(axes: Axes, swept: Sequence[Shares], current: int) -> None:
     shares = range(len(swept))
     axes.plot(shares, [s.all.fraction for s in swept], "-", color="tab:red", label="all steps on cloud")
@@ -393,16 +407,7 @@ def _share_panel(axes: Axes, swept: Sequence[Shares], current: int) -> None:
         color="tab:purple",
         label="continuation steps on cloud",
     )
-    plans = swept[-1].plans
-    total = swept[-1].all.steps
-    if total:
-        axes.axhline(
-            plans.steps / total,
-            color="tab:red",
-            linestyle=":",
-            linewidth=0.9,
-            label=f"plans alone: {plans.steps} of {total} steps (on cloud whenever cloud_share > 0)",
-        )
+    _plans_line(axes, swept[-1], "on cloud whenever cloud_share > 0")
     axes.axvline(
         current, color="0.4", linestyle="--", linewidth=0.8, label=f"this run: cloud_share={current}"
     )
@@ -469,16 +474,7 @@ def calibration_curve(
         if kind == of:
             axes.plot([0, 1], [0, 1], color="0.6", linestyle="--", linewidth=0.8, label="achieved = target")
         if kind == "all":
-            plans = points[0].plans
-            total = points[0].all.steps
-            if total:
-                axes.axhline(
-                    plans.steps / total,
-                    color="tab:red",
-                    linestyle=":",
-                    linewidth=0.9,
-                    label=f"plans alone: {plans.steps} of {total} steps ({plans.steps / total:.2f})",
-                )
+            _plans_line(axes, points[0])
         for style, (label, values) in zip(styles * len(series), series.items(), strict=False):
             axes.plot(
                 [target for target, _ in values],

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.coordination.slot_leases import LeaseAsk
 
 BOXES = ("http://box-a:8080", "http://box-b:8080")
 
@@ -34,7 +35,7 @@ async def test_slot_claims_from_two_workers_never_share_a_slot_and_fill_boxes_ev
     holders = [f"t{i}" for i in range(8)]
     claims = await asyncio.gather(
         *(
-            (a if i % 2 else b).claim_slot("gw", BOXES, 4, holder, 60.0, preferred=i % 4)
+            (a if i % 2 else b).claim_slot(LeaseAsk("gw", BOXES, 4, holder, 60.0, preferred=i % 4))
             for i, holder in enumerate(holders)
         )
     )
@@ -42,10 +43,10 @@ async def test_slot_claims_from_two_workers_never_share_a_slot_and_fill_boxes_ev
     assert len(places) == 8 and not any(c.guest for c in claims)
     assert sorted(sum(c.box == box for c in claims) for box in BOXES) == [4, 4]
     # The other worker renews the same lease instead of handing out another slot.
-    again = await a.claim_slot("gw", BOXES, 4, "t1", 60.0, preferred=0)
+    again = await a.claim_slot(LeaseAsk("gw", BOXES, 4, "t1", 60.0, preferred=0))
     assert (again.box, again.slot) == (claims[1].box, claims[1].slot)
     # A ninth thread finds every slot held: it borrows one without taking it.
-    guest = await b.claim_slot("gw", BOXES, 4, "t9", 60.0, preferred=0)
+    guest = await b.claim_slot(LeaseAsk("gw", BOXES, 4, "t9", 60.0, preferred=0))
     assert guest.guest
     table = await a.slot_table("gw")
     assert len(table) == 8 and {holder for _, _, holder, _ in table} == set(holders)
@@ -55,12 +56,12 @@ async def test_a_lapsed_lease_goes_to_a_new_thread_and_its_holder_gets_its_old_s
     pair: tuple[SharedState, SharedState],
 ) -> None:
     a, b = pair
-    first = await a.claim_slot("one", ("http://box:8080",), 2, "old", 0.2, preferred=0)
+    first = await a.claim_slot(LeaseAsk("one", ("http://box:8080",), 2, "old", 0.2, preferred=0))
     await asyncio.sleep(0.5)
     assert await b.box_of("one", "old") is None  # lapsed: idle for longer than its lease
-    back = await a.claim_slot("one", ("http://box:8080",), 2, "old", 60.0, preferred=1)
+    back = await a.claim_slot(LeaseAsk("one", ("http://box:8080",), 2, "old", 60.0, preferred=1))
     assert (back.box, back.slot) == (first.box, first.slot)  # its cache may still be there
-    other = await b.claim_slot("one", ("http://box:8080",), 2, "new", 60.0, preferred=first.slot)
+    other = await b.claim_slot(LeaseAsk("one", ("http://box:8080",), 2, "new", 60.0, preferred=first.slot))
     assert other.slot != first.slot
 
 
@@ -68,7 +69,9 @@ async def test_a_cooldown_announced_by_one_worker_reaches_the_other(
     pair: tuple[SharedState, SharedState],
 ) -> None:
     a, b = pair
-    await b.claim_slot("warm", ("http://box:8080",), 1, "x", 60.0, preferred=0)  # b is connected, listening
+    await b.claim_slot(
+        LeaseAsk("warm", ("http://box:8080",), 1, "x", 60.0, preferred=0)
+    )  # b is connected, listening
     until = time.time() + 30
     await a.publish_cooldown("cloud:m@https://api.example", until, "APIStatusError: 503")
     for _ in range(100):
@@ -118,7 +121,7 @@ async def test_an_unreachable_database_is_reported_at_once_after_the_first_failu
     state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
     try:
         with pytest.raises(SharedStateUnavailable, match="cannot be reached"):
-            await state.claim_slot("p", ("http://b",), 1, "h", 60.0, preferred=0)
+            await state.claim_slot(LeaseAsk("p", ("http://b",), 1, "h", 60.0, preferred=0))
         began = time.monotonic()
         with pytest.raises(SharedStateUnavailable):
             await state.box_of("p", "h")
@@ -152,14 +155,16 @@ async def test_a_returning_thread_waits_for_its_home_box_and_an_idle_lease_goes_
     pair: tuple[SharedState, SharedState],
 ) -> None:
     a, b = pair
-    first = await a.claim_slot("crowd", BOXES, 1, "t1", 60.0, preferred=0)
-    second = await b.claim_slot("crowd", BOXES, 1, "t2", 60.0, preferred=0)
+    first = await a.claim_slot(LeaseAsk("crowd", BOXES, 1, "t1", 60.0, preferred=0))
+    second = await b.claim_slot(LeaseAsk("crowd", BOXES, 1, "t2", 60.0, preferred=0))
     assert first.box != second.box
     await a.release_slot("crowd", "t1")
     await b.release_slot("crowd", "t2")
-    taken = await b.claim_slot("crowd", BOXES, 1, "t3", 60.0, preferred=0)  # every slot held, both idle
+    taken = await b.claim_slot(
+        LeaseAsk("crowd", BOXES, 1, "t3", 60.0, preferred=0)
+    )  # every slot held, both idle
     assert (taken.box, taken.took_from) == (first.box, "t1")  # the least recently used idle lease
-    home_full = await a.claim_slot("crowd", BOXES, 1, "t1", 60.0, preferred=0, stay_home=True)
+    home_full = await a.claim_slot(LeaseAsk("crowd", BOXES, 1, "t1", 60.0, preferred=0, stay_home=True))
     assert home_full.home_full  # t3 runs on t1's home box: t1 waits rather than move
-    moved = await a.claim_slot("crowd", BOXES, 1, "t1", 60.0, preferred=0)
+    moved = await a.claim_slot(LeaseAsk("crowd", BOXES, 1, "t1", 60.0, preferred=0))
     assert (moved.box, moved.took_from) == (second.box, "t2")  # waited long enough: it moves, once

@@ -33,6 +33,7 @@ from langgraph.store.memory import InMemoryStore
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
 from fusion_graph.coordination.shared_state import RECONNECT_MAX_S, SharedState, SharedStateUnavailable
+from fusion_graph.coordination.slot_leases import LeaseAsk
 from fusion_graph.memory.job_log import thread_entries
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fault_proxy import FaultProxy
@@ -125,7 +126,7 @@ async def back_in(attempt: Callable[[], Awaitable[Any]]) -> float:
 async def every_operation_fails_cleanly(state: SharedState) -> list[float]:
     """Each operation of the shared state, each raising only ``SharedStateUnavailable`` in bounded time."""
     took = [
-        await bounded_failure(state.claim_slot("p", BOX, 4, "t-new", 60.0, preferred=0)),
+        await bounded_failure(state.claim_slot(LeaseAsk("p", BOX, 4, "t-new", 60.0, preferred=0))),
         await bounded_failure(state.box_of("p", "t-1")),
         await bounded_failure(state.claim_job("job-1", "w", 15.0)),
         await bounded_failure(state.renew_job("job-0", "w", 15.0)),
@@ -153,7 +154,7 @@ async def test_a_stopped_database_fails_each_operation_cleanly_and_is_used_again
     database: str, cluster: PostgresCluster, state_of: Callable[[str], SharedState]
 ) -> None:
     state = state_of(database)
-    first = await state.claim_slot("p", BOX, 4, "t-1", 60.0, preferred=0)
+    first = await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
     assert await state.claim_job("job-0", "w", 15.0) == 1
     cluster.halt()
     took = await every_operation_fails_cleanly(state)
@@ -163,7 +164,7 @@ async def test_a_stopped_database_fails_each_operation_cleanly_and_is_used_again
     back = await back_in(lambda: state.box_of("p", "t-1"))
     print(f"shared state used again {back:.2f} s after the database answered")
     assert back < BACK_WITHIN_S
-    again = await state.claim_slot("p", BOX, 4, "t-1", 60.0, preferred=2)
+    again = await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=2))
     assert (again.box, again.slot) == (first.box, first.slot)  # the lease outlived the restart
 
 
@@ -171,11 +172,13 @@ async def test_the_first_operation_after_a_quick_restart_finds_no_stale_connecti
     database: str, cluster: PostgresCluster, state_of: Callable[[str], SharedState]
 ) -> None:
     state = state_of(database)
-    await asyncio.gather(*(state.claim_slot("p", BOX, 8, f"t-{i}", 60.0, preferred=i) for i in range(4)))
+    await asyncio.gather(
+        *(state.claim_slot(LeaseAsk("p", BOX, 8, f"t-{i}", 60.0, preferred=i)) for i in range(4))
+    )
     cluster.halt()
     cluster.resume()
     # The pool's connections all died with the old server: each is checked before use and replaced.
-    claim = await state.claim_slot("p", BOX, 8, "t-after", 60.0, preferred=5)
+    claim = await state.claim_slot(LeaseAsk("p", BOX, 8, "t-after", 60.0, preferred=5))
     assert not claim.guest
     assert await state.claim_job("after-restart", "w", 15.0) == 1
 
@@ -185,12 +188,12 @@ async def test_a_stalled_database_never_holds_an_operation_past_its_bound(
 ) -> None:
     url = through(proxy, database, cluster)
     state = state_of(url)
-    await state.claim_slot("p", BOX, 4, "t-1", 60.0, preferred=0)
+    await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
     assert await state.claim_job("job-0", "w", 15.0) == 1
     proxy.freeze()  # open connections go silent, new ones are accepted and never answered
     took = await every_operation_fails_cleanly(state)
     fresh = state_of(url)  # a process that first meets the database while it stalls
-    took.append(await bounded_failure(fresh.claim_slot("p", BOX, 4, "t-2", 60.0, preferred=1)))
+    took.append(await bounded_failure(fresh.claim_slot(LeaseAsk("p", BOX, 4, "t-2", 60.0, preferred=1))))
     print(f"\noperations with the database stalled: {', '.join(f'{t:.2f}' for t in took)} s")
     assert max(took) < OP_BOUND_S
     proxy.thaw()
@@ -202,14 +205,14 @@ async def test_pooled_connections_dropped_without_a_word_are_replaced_by_new_one
     database: str, cluster: PostgresCluster, proxy: FaultProxy, state_of: Callable[[str], SharedState]
 ) -> None:
     state = state_of(through(proxy, database, cluster))
-    await state.claim_slot("p", BOX, 4, "t-1", 60.0, preferred=0)
+    await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
     accepted = proxy.accepted
     proxy.freeze(new=False)  # as after a NAT or a failover: the pool's connections are dead, new ones work
     began = time.monotonic()
     claim = None
     while claim is None:
         try:
-            claim = await state.claim_slot("p", BOX, 4, "t-2", 60.0, preferred=1)
+            claim = await state.claim_slot(LeaseAsk("p", BOX, 4, "t-2", 60.0, preferred=1))
         except SharedStateUnavailable:
             await asyncio.sleep(0.2)
     took = time.monotonic() - began
@@ -234,8 +237,8 @@ async def test_any_thread_id_langgraph_accepts_works_and_apps_on_one_database_ne
             assert await two.claim_job(f"{thread}:0:1", "w2", 15.0) == 1
             assert await one.finish_job(f"{thread}:0:1", "w1")
             assert (await two.job_claims([f"{thread}:0:1"]))[f"{thread}:0:1"].done is False
-        a = await one.claim_slot("p", BOX, 1, "holder", 60.0, preferred=0)
-        b = await two.claim_slot("p", BOX, 1, "holder-2", 60.0, preferred=0)
+        a = await one.claim_slot(LeaseAsk("p", BOX, 1, "holder", 60.0, preferred=0))
+        b = await two.claim_slot(LeaseAsk("p", BOX, 1, "holder-2", 60.0, preferred=0))
         assert not a.guest and not b.guest  # each app has its own table of the pool's one slot
     finally:
         await one.aclose()
@@ -249,7 +252,9 @@ async def test_the_tables_stay_bounded_by_live_work_after_500_threads(database: 
     try:
         for start in range(0, 500, 50):
             threads = [f"short-{i}" for i in range(start, start + 50)]
-            await asyncio.gather(*(state.claim_slot("p", BOX, 4, t, 60.0, preferred=0) for t in threads))
+            await asyncio.gather(
+                *(state.claim_slot(LeaseAsk("p", BOX, 4, t, 60.0, preferred=0)) for t in threads)
+            )
             assert all(await asyncio.gather(*(state.claim_job(f"{t}:0:1", "w", 15.0) for t in threads)))
             assert all(await asyncio.gather(*(state.finish_job(f"{t}:0:1", "w") for t in threads)))
         sizes = await state.table_sizes()

@@ -81,25 +81,36 @@ def postgres_check(url: str, *, timeout: float) -> Check:
             "use postgresql://user:password@host:port/db",
         )
     try:
-        import psycopg
+        import psycopg  # noqa: F401  (what `run --postgres` needs)
         from langgraph.checkpoint.postgres import PostgresSaver  # noqa: F401  (what `run --postgres` needs)
     except ImportError as error:
-        return Check(
-            name,
-            "fail",
-            f"--postgres needs {error.name or 'psycopg'}, which is not installed",
-            "pip install 'langgraph-checkpoint-postgres' 'psycopg[binary]'",
-        )
-    try:
-        with psycopg.connect(url, connect_timeout=max(1, round(timeout))) as connection:
-            version = connection.info.server_version
-            connection.execute("SELECT 1")
-    except psycopg.Error as error:
-        detail = scrub(f"{type(error).__name__}: {error}".splitlines()[0], [url])
+        return not_installed(name, "--postgres", error, "pip install 'fusion-graph[postgres]'")
+    version, detail = select_one(url, timeout)
+    if version is None:
         return Check(
             name, "fail", f"cannot connect to {shown} ({detail})", "check the URL and that the server runs"
         )
     return Check(name, "ok", f"{shown} connects (PostgreSQL {postgres_version(version)})")
+
+
+def not_installed(name: str, what: str, error: ImportError, fix: str) -> Check:
+    """The row for a Postgres feature whose driver (an optional dependency) is not installed."""
+    return Check(name, "fail", f"{what} needs {error.name or 'psycopg'}, which is not installed", fix)
+
+
+def select_one(url: str, timeout: float) -> tuple[int | None, str]:
+    """Open a connection to ``url`` and run ``SELECT 1``: the server's version, or why not (scrubbed).
+
+    libpq waits at least 2 s to connect, whatever ``timeout`` says.
+    """
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=max(2, round(timeout))) as connection:
+            connection.execute("SELECT 1")
+            return connection.info.server_version, ""
+    except psycopg.Error as error:
+        return None, scrub(f"{type(error).__name__}: {error}".splitlines()[0], [url])
 
 
 def postgres_version(number: int) -> str:
@@ -134,20 +145,12 @@ def shared_state_check(url: str | None, *, timeout: float) -> Check:
             "fix FUSION_SHARED_STATE_URL (or DATABASE_URI when that is empty)",
         )
     try:
-        import psycopg
+        import psycopg  # noqa: F401  (what the shared state needs)
         import psycopg_pool  # noqa: F401  (what the shared state needs)
     except ImportError as error:
-        return Check(
-            name,
-            "fail",
-            f"shared state needs {error.name or 'psycopg'}",
-            "pip install 'fusion-graph[postgres]'",
-        )
-    try:
-        with psycopg.connect(url, connect_timeout=max(2, round(timeout))) as connection:
-            connection.execute("SELECT 1")
-    except psycopg.Error as error:
-        detail = scrub(f"{type(error).__name__}: {error}".splitlines()[0], [url])
+        return not_installed(name, "the shared state", error, "pip install 'fusion-graph[postgres]'")
+    version, detail = select_one(url, timeout)
+    if version is None:
         return Check(
             name,
             "fail",
