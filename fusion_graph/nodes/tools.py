@@ -58,7 +58,9 @@ async def wrap_tool_call(
     ):
         output = await execute(request)
     if isinstance(output, ToolMessage):  # the operator's keys never reach the model or the checkpoint
-        output = output.model_copy(update={"content": scrub_content(output.content)})
+        scrubbed = scrub_content(output.content)
+        if scrubbed != output.content:
+            output = output.model_copy(update={"content": scrubbed})
     output = cast("ToolMessage | Command[Any]", cap_output(output, context.max_tool_output_tokens))
     if not scope.records:
         return output

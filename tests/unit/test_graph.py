@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from langchain_core.callbacks import AsyncCallbackHandler
 from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, tool
@@ -73,6 +74,54 @@ async def test_plan_on_cloud_then_mechanical_steps_locally() -> None:
     step = out["route_log"][1]
     assert step["threshold"] == 60 and step["score"] is not None and step["score"] < 60
     assert "back to local" in step["reason"]
+
+
+class ModelRuns(AsyncCallbackHandler):
+    """The tags, metadata and name of every chat model run, as a tracer (Studio, LangSmith) sees them."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str | None, list[str], dict[str, Any]]] = []
+
+    async def on_chat_model_start(
+        self, serialized: dict[str, Any], messages: list[list[BaseMessage]], **kwargs: Any
+    ) -> None:
+        self.runs.append((kwargs.get("name"), kwargs.get("tags") or [], kwargs.get("metadata") or {}))
+
+
+async def test_each_model_run_is_tagged_with_its_leg_kind_and_score_beside_the_runs_own() -> None:
+    cloud = scripted("cloudfake", [ai_calls(call("echo", {"text": "a"}, "c1"))])
+    local = scripted("localfake", ["done"])
+    graph = build_graph(
+        cloud_model=cloud, local_model=local, tools=[make_echo()], checkpointer=InMemorySaver()
+    )
+    seen = ModelRuns()
+    config: RunnableConfig = {
+        "configurable": {"thread_id": "tags"},
+        "callbacks": [seen],
+        "tags": ["caller-tag"],
+        "metadata": {"caller": "app"},
+    }
+    out = await graph.ainvoke(user_input(TASK), config)
+    assert [name for name, _, _ in seen.runs] == ["plan:cloud", "step:local"]
+    (_, plan_tags, plan_meta), (_, step_tags, step_meta) = seen.runs
+    assert {"fusion:leg=cloud", "fusion:kind=plan", "caller-tag"} <= set(plan_tags)
+    assert {"fusion:leg=local", "fusion:kind=step", "caller-tag"} <= set(step_tags)
+    record = out["route_log"][1]
+    assert (
+        step_meta["fusion_score"] == record["score"] and step_meta["fusion_threshold"] == record["threshold"]
+    )
+    assert (step_meta["fusion_leg"], step_meta["fusion_routed_leg"], step_meta["fusion_step"]) == (
+        "local",
+        "local",
+        1,
+    )
+    assert step_meta["fusion_provider"] == "local:localfake" and plan_meta["fusion_kind"] == "plan"
+    # The run's own metadata stays: the caller's, and LangGraph's node (the messages stream reads it).
+    assert (step_meta["caller"], step_meta["langgraph_node"], plan_meta["langgraph_node"]) == (
+        "app",
+        "local",
+        "plan",
+    )
 
 
 async def test_plan_prompt_carries_the_plan_instructions_and_a_stable_prefix() -> None:
