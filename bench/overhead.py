@@ -17,6 +17,11 @@ processor into an exporter that drops it) against both off, interleaved likewise
 agent: the same agent with it (the plan routed to the cloud model, every later
 step to the local one, each recorded) against without it.
 
+``--floor`` measures what LangGraph alone costs on fusion's state: a bare graph over
+``fusion_graph.state.State`` (a node that calls the model, ``ToolNode``, each tool call
+sent as fusion sends it, one ``Send`` each; no routing, no records) against
+``create_agent``. What fusion costs beyond that floor is its own per-step work.
+
 ``--rounds`` is the number of interleaved pairs per length (default 15; for
 turns longer than 300 steps the default shrinks in proportion, so each length
 costs about as much as 300 steps do). The table goes to stderr, the JSON to
@@ -26,6 +31,7 @@ stdout and to ``--out``.
     python -m bench.overhead --steps 30 --rounds 40 --out overhead.json
     python -m bench.overhead --telemetry --out telemetry.json  # telemetry on against off
     python -m bench.overhead --middleware --out middleware.json  # create_agent with the middleware
+    python -m bench.overhead --floor --out floor.json      # LangGraph alone on fusion's state
 """
 
 from __future__ import annotations
@@ -47,11 +53,15 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.prebuilt import ToolNode
+from langgraph.types import Send
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from fusion_graph import FusionContext, build_graph
+from fusion_graph.state import State
 
 #: Turn lengths measured by default.
 STEPS = (3, 30, 100, 300)
@@ -123,6 +133,34 @@ async def run_agent(steps: int, thread: str) -> float:
     gc.collect()
     began = time.perf_counter()
     out = await agent.ainvoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": thread}})
+    elapsed = time.perf_counter() - began
+    assert sum(isinstance(m, AIMessage) for m in out["messages"]) == steps
+    return elapsed
+
+
+async def run_floor(steps: int, thread: str) -> float:
+    """Seconds one ``steps``-step turn takes through a bare graph over fusion's state (the floor)."""
+    scripted = model(script(steps))
+
+    async def answer(state: State) -> dict[str, Any]:
+        return {"messages": [await scripted.ainvoke(state["messages"])]}
+
+    def after(state: State) -> Any:
+        last = state["messages"][-1]
+        calls = last.tool_calls if isinstance(last, AIMessage) else []
+        return [Send("tools", [call]) for call in calls] if calls else END
+
+    builder = StateGraph(State)
+    builder.add_node("answer", answer)
+    builder.add_node("tools", ToolNode([echo]))
+    builder.add_edge(START, "answer")
+    builder.add_conditional_edges("answer", after, ["tools", END])
+    builder.add_edge("tools", "answer")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    graph_input: Any = {"messages": [HumanMessage("go")]}
+    gc.collect()
+    began = time.perf_counter()
+    out = await graph.ainvoke(graph_input, {"configurable": {"thread_id": thread}})
     elapsed = time.perf_counter() - began
     assert sum(isinstance(m, AIMessage) for m in out["messages"]) == steps
     return elapsed
@@ -236,9 +274,13 @@ async def measure(rounds: int, steps: int, progress: Progress | None = None) -> 
 
 
 async def measure_all(
-    steps: Sequence[int], rounds: int | None, telemetry: bool = False, middleware: bool = False
+    steps: Sequence[int],
+    rounds: int | None,
+    telemetry: bool = False,
+    middleware: bool = False,
+    floor: bool = False,
 ) -> dict[str, Any]:
-    """``measure`` (or the telemetry or middleware measure) at every turn length, in the order given."""
+    """``measure`` (or the telemetry, middleware or floor pair) at every turn length, in the order given."""
     results = []
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         for length in steps:
@@ -249,6 +291,8 @@ async def measure_all(
                 )
             elif middleware:  # the same create_agent agent without FusionRoutingMiddleware, then with it
                 results.append(await measure_on_off(count, length, run_agent, run_agent_routed, progress))
+            elif floor:  # create_agent, then a bare graph over fusion's state
+                results.append(await measure_on_off(count, length, run_agent, run_floor, progress))
             else:
                 results.append(await measure(count, length, progress))
     return {
@@ -258,9 +302,9 @@ async def measure_all(
     }
 
 
-def telemetry_table(result: dict[str, Any], what: str = "telemetry") -> Table:
-    """One row per turn length: ms per step with ``what`` off and on, and the ratio."""
-    table = Table(title=f"per-step time with {what} off and on, median of interleaved runs")
+def telemetry_table(result: dict[str, Any], title: str) -> Table:
+    """One row per turn length: ms per step off and on (``title`` says what), and the ratio."""
+    table = Table(title=f"per-step time {title}, median of interleaved runs")
     for column in ("steps", "rounds", "off ms / step", "on ms / step", "added ms / step", "ratio"):
         table.add_column(column, justify="right")
     for row in result["results"]:
@@ -313,14 +357,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="measure create_agent with FusionRoutingMiddleware against without it instead",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="measure a bare LangGraph graph over fusion's state against create_agent instead",
+    )
     args = parser.parse_args(argv)
     if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
         parser.error("--steps and --rounds must be at least 1")
-    if args.telemetry and args.middleware:
-        parser.error("--telemetry and --middleware measure different things: give one")
-    result = asyncio.run(measure_all(args.steps, args.rounds, args.telemetry, args.middleware))
-    if args.telemetry or args.middleware:
-        table = telemetry_table(result, "telemetry" if args.telemetry else "the middleware")
+    if sum((args.telemetry, args.middleware, args.floor)) > 1:
+        parser.error("--telemetry, --middleware and --floor measure different things: give one")
+    result = asyncio.run(measure_all(args.steps, args.rounds, args.telemetry, args.middleware, args.floor))
+    if args.floor:
+        table = telemetry_table(result, "of create_agent (off) and of a bare graph over fusion's state (on)")
+    elif args.telemetry or args.middleware:
+        table = telemetry_table(
+            result, f"with {'telemetry' if args.telemetry else 'the middleware'} off and on"
+        )
     else:
         table = table_of(result)
     Console(stderr=True).print(table)
