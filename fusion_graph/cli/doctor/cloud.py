@@ -251,7 +251,10 @@ def live_completion(settings: FusionSettings, timeout: float) -> Asked | Attempt
     from fusion_graph.routing.score import RouteDecision
 
     async def once() -> Asked | Attempt:
-        quick = settings.model_copy(update={"request_timeout": timeout, "shared_state": "off"})
+        # A check, not a run: nothing shared, no metrics port opened, no span exported.
+        quick = settings.model_copy(
+            update={"request_timeout": timeout, "shared_state": "off", "metrics": False, "traces": False}
+        )
         resolver = ProviderResolver(settings=quick)
         try:
             chain = (await resolver.chain(FusionContext(mode="cloud"))).only(CLOUD_ONLY)
