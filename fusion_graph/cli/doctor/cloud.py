@@ -1,8 +1,9 @@
 """Doctor's cloud rows: the key (named by its variable, never shown), the endpoint, the model's price.
 
 The endpoint is asked ``GET /models`` with the key; ``--live`` adds a one-token
-completion. A URL that answers with something other than JSON (an HTML page)
-is not an OpenAI-compatible API, and says so.
+completion, made as the graph makes every inference (``providers.ask``), and reads
+the failed attempt's class and text for the cause. A URL that answers with
+something other than JSON (an HTML page) is not an OpenAI-compatible API, and says so.
 """
 
 from __future__ import annotations
