@@ -3,8 +3,8 @@
 For each turn length N (``--steps``, default 3, 30, 100 and 300), both graphs run
 the same N-step turn: an instant scripted chat model asks for one tool call
 per step (N - 1 times), then answers; the tool echoes its argument. Both use
-an in-memory checkpointer. Runs are interleaved in one process (fusion, agent,
-agent, fusion, ...) so machine noise hits both alike; the result per length is
+an in-memory checkpointer. Runs are interleaved in one process (agent, fusion,
+fusion, agent, ...) so machine noise hits both alike; the result per length is
 the ratio of median per-step times, measured in the same run. A ratio that
 grows with N means some per-step work grows with the history. Garbage is
 collected before each timed run, so one run does not pay for another's.
@@ -44,6 +44,7 @@ import platform
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -233,20 +234,35 @@ async def run_agent_routed(steps: int, thread: str) -> float:
     return elapsed
 
 
-async def measure_on_off(
-    rounds: int, steps: int, off: Runner, on: Runner, progress: Progress | None = None
-) -> dict[str, Any]:
-    """Interleaved ``rounds`` pairs of turns without and with something: median ms per step, ratio."""
-    without, with_it = await interleaved(rounds, steps, off, on, progress)
-    off_med, on_med = statistics.median(without), statistics.median(with_it)
-    return {
-        "steps_per_turn": steps,
-        "rounds": rounds,
-        "off_ms_per_step": round(off_med * 1000, 3),
-        "on_ms_per_step": round(on_med * 1000, 3),
-        "ratio": round(on_med / off_med, 3),
-        "added_ms_per_step": round((on_med - off_med) * 1000, 3),
-    }
+@dataclass(frozen=True)
+class Pair:
+    """Two ways to run one turn, timed against each other: ``off`` is the baseline, ``on`` is measured.
+
+    Attributes:
+        off: The baseline's runner.
+        on: The measured runner.
+        names: Their names in the JSON keys (``{name}_ms_per_step``) and the table's columns.
+        title: What the table compares.
+    """
+
+    off: Runner
+    on: Runner
+    names: tuple[str, str]
+    title: str
+
+
+#: What each mode of the command measures.
+PAIRS: dict[str, Pair] = {
+    "fusion": Pair(run_agent, run_fusion, ("create_agent", "fusion"), "of create_agent and fusion"),
+    "telemetry": Pair(run_fusion, run_fusion_telemetry, ("off", "on"), "with telemetry off and on"),
+    "middleware": Pair(run_agent, run_agent_routed, ("off", "on"), "with the middleware off and on"),
+    "floor": Pair(
+        run_agent,
+        run_floor,
+        ("off", "on"),
+        "of create_agent (off) and of a bare graph over fusion's state (on)",
+    ),
+}
 
 
 def default_rounds(steps: int) -> int:
@@ -256,45 +272,33 @@ def default_rounds(steps: int) -> int:
     return max(3, ROUNDS * LONG_TURN // steps)
 
 
-async def measure(rounds: int, steps: int, progress: Progress | None = None) -> dict[str, Any]:
+async def measure(rounds: int, steps: int, pair: Pair, progress: Progress | None = None) -> dict[str, Any]:
     """Interleaved ``rounds`` pairs of ``steps``-step turns: median ms per step of each, and the ratio."""
-    fusion, agent = await interleaved(rounds, steps, run_fusion, run_agent, progress)
-    f_med, a_med = statistics.median(fusion), statistics.median(agent)
+    off, on = await interleaved(rounds, steps, pair.off, pair.on, progress)
+    off_med, on_med = statistics.median(off), statistics.median(on)
+    off_name, on_name = pair.names
     return {
         "steps_per_turn": steps,
         "rounds": rounds,
-        "fusion_ms_per_step": round(f_med * 1000, 3),
-        "create_agent_ms_per_step": round(a_med * 1000, 3),
-        "ratio": round(f_med / a_med, 3),
+        f"{off_name}_ms_per_step": round(off_med * 1000, 3),
+        f"{on_name}_ms_per_step": round(on_med * 1000, 3),
+        "added_ms_per_step": round((on_med - off_med) * 1000, 3),
+        "ratio": round(on_med / off_med, 3),
         # Noise only adds time: the fastest runs show the graphs' own cost on a busy machine.
-        "ratio_of_minima": round(min(fusion) / min(agent), 3),
-        "fusion_ms_per_step_all": [round(t * 1000, 3) for t in fusion],
-        "create_agent_ms_per_step_all": [round(t * 1000, 3) for t in agent],
+        "ratio_of_minima": round(min(on) / min(off), 3),
+        f"{off_name}_ms_per_step_all": [round(t * 1000, 3) for t in off],
+        f"{on_name}_ms_per_step_all": [round(t * 1000, 3) for t in on],
     }
 
 
 async def measure_all(
-    steps: Sequence[int],
-    rounds: int | None,
-    telemetry: bool = False,
-    middleware: bool = False,
-    floor: bool = False,
+    steps: Sequence[int], rounds: int | None, pair: Pair = PAIRS["fusion"]
 ) -> dict[str, Any]:
-    """``measure`` (or the telemetry, middleware or floor pair) at every turn length, in the order given."""
+    """``measure`` of ``pair`` at every turn length, in the order given."""
     results = []
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         for length in steps:
-            count = rounds or default_rounds(length)
-            if telemetry:  # the same fusion turn with metrics and traces off, then on
-                results.append(
-                    await measure_on_off(count, length, run_fusion, run_fusion_telemetry, progress)
-                )
-            elif middleware:  # the same create_agent agent without FusionRoutingMiddleware, then with it
-                results.append(await measure_on_off(count, length, run_agent, run_agent_routed, progress))
-            elif floor:  # create_agent, then a bare graph over fusion's state
-                results.append(await measure_on_off(count, length, run_agent, run_floor, progress))
-            else:
-                results.append(await measure(count, length, progress))
+            results.append(await measure(rounds or default_rounds(length), length, pair, progress))
     return {
         "results": results,
         "target_ratio": TARGET_RATIO,
@@ -302,34 +306,26 @@ async def measure_all(
     }
 
 
-def telemetry_table(result: dict[str, Any], title: str) -> Table:
-    """One row per turn length: ms per step off and on (``title`` says what), and the ratio."""
-    table = Table(title=f"per-step time {title}, median of interleaved runs")
-    for column in ("steps", "rounds", "off ms / step", "on ms / step", "added ms / step", "ratio"):
+def table_of(result: dict[str, Any], pair: Pair) -> Table:
+    """One row per turn length: ms per step of each side, what ``on`` adds, and the ratio."""
+    table = Table(title=f"per-step time {pair.title}, median of interleaved runs")
+    off_name, on_name = pair.names
+    for column in (
+        "steps",
+        "rounds",
+        f"{off_name} ms / step",
+        f"{on_name} ms / step",
+        "added ms / step",
+        "ratio",
+    ):
         table.add_column(column, justify="right")
     for row in result["results"]:
         table.add_row(
             str(row["steps_per_turn"]),
             str(row["rounds"]),
-            f"{row['off_ms_per_step']:.3f}",
-            f"{row['on_ms_per_step']:.3f}",
+            f"{row[f'{off_name}_ms_per_step']:.3f}",
+            f"{row[f'{on_name}_ms_per_step']:.3f}",
             f"{row['added_ms_per_step']:.3f}",
-            f"{row['ratio']:.2f}",
-        )
-    return table
-
-
-def table_of(result: dict[str, Any]) -> Table:
-    """One row per turn length: ms per step of each graph and their ratio."""
-    table = Table(title="per-step time, median of interleaved runs")
-    for column in ("steps", "rounds", "fusion ms / step", "create_agent ms / step", "ratio"):
-        table.add_column(column, justify="right")
-    for row in result["results"]:
-        table.add_row(
-            str(row["steps_per_turn"]),
-            str(row["rounds"]),
-            f"{row['fusion_ms_per_step']:.3f}",
-            f"{row['create_agent_ms_per_step']:.3f}",
             f"{row['ratio']:.2f}",
         )
     return table
@@ -365,17 +361,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
         parser.error("--steps and --rounds must be at least 1")
-    if sum((args.telemetry, args.middleware, args.floor)) > 1:
+    chosen = [mode for mode in ("telemetry", "middleware", "floor") if getattr(args, mode)]
+    if len(chosen) > 1:
         parser.error("--telemetry, --middleware and --floor measure different things: give one")
-    result = asyncio.run(measure_all(args.steps, args.rounds, args.telemetry, args.middleware, args.floor))
-    if args.floor:
-        table = telemetry_table(result, "of create_agent (off) and of a bare graph over fusion's state (on)")
-    elif args.telemetry or args.middleware:
-        table = telemetry_table(
-            result, f"with {'telemetry' if args.telemetry else 'the middleware'} off and on"
-        )
-    else:
-        table = table_of(result)
+    pair = PAIRS[chosen[0] if chosen else "fusion"]
+    result = asyncio.run(measure_all(args.steps, args.rounds, pair))
+    table = table_of(result, pair)
     Console(stderr=True).print(table)
     text = json.dumps(result, indent=2)
     print(text)
