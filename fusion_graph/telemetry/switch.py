@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -135,21 +135,17 @@ def shadow_checked(record: RouteRecord) -> None:
         ACTIVE.metrics.shadow(record)
 
 
-@contextmanager
-def tool_call(name: str, call_id: str | None, thread_id: str) -> Iterator[None]:
+#: What a span hook returns while traces are off: a context that does nothing (reused, it holds no state).
+_NO_SPAN: AbstractContextManager[None] = nullcontext()
+
+
+def tool_call(name: str, call_id: str | None, thread_id: str) -> AbstractContextManager[None]:
     """An ``execute_tool`` span around one tool call (the inferences it makes, MCP samples, nest in it)."""
-    if ACTIVE.traces is None:
-        yield
-        return
-    with ACTIVE.traces.tool(name, call_id, thread_id):
-        yield
+    return _NO_SPAN if ACTIVE.traces is None else ACTIVE.traces.tool(name, call_id, thread_id)
 
 
-@contextmanager
-def turn(graph: str, thread_id: str | None, metadata: Mapping[str, Any] | None = None) -> Iterator[None]:
+def turn(
+    graph: str, thread_id: str | None, metadata: Mapping[str, Any] | None = None
+) -> AbstractContextManager[None]:
     """An ``invoke_agent`` span around one run of the graph: its inferences and tools nest in it."""
-    if ACTIVE.traces is None:
-        yield
-        return
-    with ACTIVE.traces.turn(graph, thread_id, metadata or {}):
-        yield
+    return _NO_SPAN if ACTIVE.traces is None else ACTIVE.traces.turn(graph, thread_id, metadata or {})
