@@ -13,6 +13,21 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "quickstart.py"
 
 
+def run_example(
+    example: Path, where: Path, cloud_url: str, local_url: str, **more: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``example`` in ``where`` as a newcomer would, against these servers (no other FUSION_ setting)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
+        "OPENAI_API_KEY": "sk-example-key-000000",
+        "FUSION_CLOUD_BASE_URL": cloud_url,
+        "FUSION_LOCAL_BASE_URL": local_url,
+        **more,
+    }
+    return subprocess.run(
+        [sys.executable, str(example)], cwd=where, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
 def test_the_readme_shows_the_quickstart_example_verbatim() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert f"```python\n{EXAMPLE.read_text(encoding='utf-8')}```" in readme
@@ -22,14 +37,7 @@ def test_the_quickstart_example_runs_against_openai_compatible_servers(tmp_path:
     (tmp_path / "notes.txt").write_text("a note\n", encoding="utf-8")
     plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
     with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="A project with one note.")]) as local:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
-            "OPENAI_API_KEY": "sk-example-key-000000",
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": local.base_url,
-        }
-        done = subprocess.run(
-            [sys.executable, str(EXAMPLE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-        )
+        done = run_example(EXAMPLE, tmp_path, cloud.base_url, local.base_url)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "A project with one note."
@@ -43,14 +51,7 @@ def test_the_quickstart_shows_where_a_step_was_routed_and_where_it_ran(tmp_path:
     plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
     dead = f"http://127.0.0.1:{free_port()}/v1"  # llama-server is down: the local step falls over to cloud
     with FakeOpenAI([plan, Reply(content="Answered by cloud.")]) as cloud:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
-            "OPENAI_API_KEY": "sk-example-key-000000",
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": dead,
-        }
-        done = subprocess.run(
-            [sys.executable, str(EXAMPLE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-        )
+        done = run_example(EXAMPLE, tmp_path, cloud.base_url, dead)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "Answered by cloud."
@@ -64,20 +65,7 @@ def test_the_create_agent_example_routes_each_model_call(tmp_path: Path) -> None
     (tmp_path / "notes.txt").write_text("a note\n", encoding="utf-8")
     plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
     with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="A project with one note.")]) as local:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
-            "OPENAI_API_KEY": "sk-example-key-000000",
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": local.base_url,
-            "FUSION_LOCAL_SLOTS": "4",
-        }
-        done = subprocess.run(
-            [sys.executable, str(AGENT_EXAMPLE)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = run_example(AGENT_EXAMPLE, tmp_path, cloud.base_url, local.base_url, FUSION_LOCAL_SLOTS="4")
         slots = {body.get("id_slot") for body in local.requests}
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
