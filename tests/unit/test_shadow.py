@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
-from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
@@ -20,16 +19,10 @@ from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.routing.records import same_action
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
+from tests.plugins.served import PRICES, graph_over, lookup
 
-PRICES = {"c": (10.0, 10.0, 1.0)}
 #: Every continuation step local (the plan on cloud), each local step checked by the cloud.
 SHADOWED = FusionContext(cloud_share=10, shadow_share=1.0, sub_runners="off")
-
-
-@tool
-def lookup(key: str) -> str:
-    """Look a key up."""
-    return f"value of {key}"
 
 
 def call(name: str, **args: Any) -> dict[str, Any]:
@@ -51,23 +44,6 @@ def test_the_same_action_is_the_same_calls_with_equal_arguments_or_both_a_reply(
     c = AIMessage("", tool_calls=[call("lookup", key="z")])
     assert same_action(reply, other_reply) and same_action(a, b)
     assert not same_action(a, c) and not same_action(reply, a)
-
-
-def graph_over(
-    cloud: FakeOpenAI, local: FakeOpenAI, *, saver: Any = None, store: Any = None, **settings: Any
-) -> Any:
-    return build_graph(
-        cloud_model=ChatOpenAI(
-            model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
-        ),
-        local_model=ChatLlamaServer(
-            model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
-        ),
-        tools=[lookup],
-        checkpointer=saver if saver is not None else InMemorySaver(),
-        store=store,
-        settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
-    )
 
 
 async def turn(graph: Any, text: str, how: str, context: FusionContext = SHADOWED) -> dict[str, Any]:

@@ -6,23 +6,12 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
-from langgraph.checkpoint.memory import InMemorySaver
 
-from fusion_graph import FusionContext, FusionSettings, build_graph
+from fusion_graph import FusionContext
 from fusion_graph.nodes.synthesis import SYNTHESIS_MESSAGE_NAME
-from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
-
-PRICES = {"c": (10.0, 10.0, 1.0)}  # USD per million tokens of the scripted cloud model
-
-
-@tool
-def lookup(key: str) -> str:
-    """Look a key up."""
-    return f"value of {key}"
+from tests.plugins.served import graph_over
 
 
 def plan_then(*after: Reply) -> list[Reply]:
@@ -33,17 +22,7 @@ def plan_then(*after: Reply) -> list[Reply]:
 async def run(
     cloud: FakeOpenAI, local: FakeOpenAI, how: str, **context: Any
 ) -> tuple[dict[str, Any], list[Any]]:
-    graph = build_graph(
-        cloud_model=ChatOpenAI(
-            model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
-        ),
-        local_model=ChatLlamaServer(
-            model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
-        ),
-        tools=[lookup],
-        checkpointer=InMemorySaver(),
-        settings=FusionSettings(price_overrides=PRICES, local_slots=2),
-    )
+    graph = graph_over(cloud, local)
     config: Any = {"configurable": {"thread_id": "t"}}
     ctx = FusionContext(resynthesize="local_replies", max_completion_tokens=16, **context)
     streamed: list[Any] = []

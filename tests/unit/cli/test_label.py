@@ -369,7 +369,8 @@ async def test_calibrate_on_a_thread_stores_shadow_checks(tmp_path: Path) -> Non
     from fusion_graph import FusionContext, FusionSettings, build_graph
     from fusion_graph.providers.llama_server import ChatLlamaServer
     from tests.plugins.fakes import user_input
-    from tests.unit.test_shadow import lookup, tool_results
+    from tests.plugins.served import lookup
+    from tests.unit.test_shadow import tool_results
 
     def cloud_reply(body: dict[str, Any]) -> Reply:
         if tool_results(body) == 0:

@@ -5,12 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
-from langgraph.checkpoint.memory import InMemorySaver
 
-from fusion_graph import ChainExhausted, FusionContext, FusionSettings, build_graph
-from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph import ChainExhausted, FusionContext
 from fusion_graph.routing.budget import (
     COMPLETION_FLOOR,
     CloudBudget,
@@ -25,15 +21,9 @@ from fusion_graph.routing.budget import (
 from fusion_graph.routing.records import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
+from tests.plugins.served import graph_over
 
 #: USD per million tokens of the scripted cloud model ``c``: a cent per thousand tokens either way.
-PRICES = {"c": (10.0, 10.0, 1.0)}
-
-
-@tool
-def lookup(key: str) -> str:
-    """Look a key up."""
-    return f"value of {key}"
 
 
 def record(turn: int, leg: str, cost: float | None) -> RouteRecord:
@@ -69,21 +59,6 @@ def test_the_reason_carries_the_numbers() -> None:
     assert over_budget(budget, CloudSpend(0.04, 0.04), 0.004) is None
     assert "price is unknown" in (over_budget(CloudBudget(thread_usd=1.0), CloudSpend(), None) or "")
     assert over_budget(CloudBudget(), CloudSpend(9, 9), None) is None
-
-
-def graph_over(cloud: FakeOpenAI, local: FakeOpenAI, store: Any = None, **settings: Any) -> Any:
-    return build_graph(
-        cloud_model=ChatOpenAI(
-            model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
-        ),
-        local_model=ChatLlamaServer(
-            model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
-        ),
-        tools=[lookup],
-        checkpointer=InMemorySaver(),
-        store=store,
-        settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
-    )
 
 
 async def run(graph: Any, text: str, how: str, context: FusionContext, thread: str = "t") -> dict[str, Any]:
