@@ -16,6 +16,7 @@ pytest_plugins = [
     "tests.plugins.requires",  # skip locally / fail under CI=true when a service is missing
     "tests.plugins.errors",  # real SDK/httpx exception instances
     "tests.plugins.fakes",  # scripted chat models and graph inputs
+    "tests.plugins.served",  # a graph over two fake OpenAI-compatible servers (prices, lookup tool)
     "tests.plugins.scripted_llama",  # a real llama-server call with scripted tool calls
     "tests.plugins.llama",  # real llama-server: llama_server_bin, tiny_model, llama_server, own_llama_server
     "tests.plugins.postgres",  # real PostgreSQL: postgres_url, postgres_db
