@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sqlite3
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -70,27 +72,64 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:{REDACTED}@{netloc}"))
 
 
-def postgres_check(url: str, *, timeout: float) -> Check:
-    """A connection opens (``psycopg``, an optional dependency) and answers ``SELECT 1``."""
-    name, shown = "checkpoint db", redact_url(url)
-    if not url.startswith(("postgres://", "postgresql://")):
-        return Check(
-            name,
-            "fail",
-            f"--postgres {scrub(shown)!r} is not a URL",
-            "use postgresql://user:password@host:port/db",
-        )
+@dataclass(frozen=True)
+class PostgresRow:
+    """What one Postgres row says beyond the probe both rows make.
+
+    Attributes:
+        name: The row's name.
+        needs: Who needs the driver (``--postgres``, ``the shared state``).
+        modules: What must import for it (optional dependencies: ``fusion-graph[postgres]``).
+        down: Said after ``cannot connect to <url> (<why>)``, and the row's fix.
+        up: The ok row's text, with ``{url}`` and ``{version}``.
+    """
+
+    name: str
+    needs: str
+    modules: tuple[str, ...]
+    down: tuple[str, str]
+    up: str
+
+
+#: ``run --postgres``'s checkpoint database.
+CHECKPOINT_ROW = PostgresRow(
+    "checkpoint db",
+    "--postgres",
+    ("psycopg", "langgraph.checkpoint.postgres"),
+    ("", "check the URL and that the server runs"),
+    "{url} connects (PostgreSQL {version})",
+)
+#: The shared state's database (``FUSION_SHARED_STATE=postgres``).
+SHARED_STATE_ROW = PostgresRow(
+    "shared state",
+    "the shared state",
+    ("psycopg", "psycopg_pool"),
+    (
+        "; until it answers, every worker places in-process",
+        "check FUSION_SHARED_STATE_URL and that the server runs",
+    ),
+    "{url} connects: slots, cooldowns and memory job claims are shared",
+)
+
+
+def is_postgres_url(url: str) -> bool:
+    """Whether ``url`` names a Postgres database (``postgres://`` or ``postgresql://``)."""
+    return url.startswith(("postgres://", "postgresql://"))
+
+
+def postgres_row(row: PostgresRow, url: str, timeout: float) -> Check:
+    """``row`` for a ``postgres(ql)://`` ``url``: its driver imports, a connection answers ``SELECT 1``."""
     try:
-        import psycopg  # noqa: F401  (what `run --postgres` needs)
-        from langgraph.checkpoint.postgres import PostgresSaver  # noqa: F401  (what `run --postgres` needs)
+        for module in row.modules:
+            importlib.import_module(module)
     except ImportError as error:
-        return not_installed(name, "--postgres", error, "pip install 'fusion-graph[postgres]'")
+        return not_installed(row.name, row.needs, error, "pip install 'fusion-graph[postgres]'")
+    shown = redact_url(url)
     version, detail = select_one(url, timeout)
     if version is None:
-        return Check(
-            name, "fail", f"cannot connect to {shown} ({detail})", "check the URL and that the server runs"
-        )
-    return Check(name, "ok", f"{shown} connects (PostgreSQL {postgres_version(version)})")
+        said, fix = row.down
+        return Check(row.name, "fail", f"cannot connect to {shown} ({detail}){said}", fix)
+    return Check(row.name, "ok", row.up.format(url=shown, version=postgres_version(version)))
 
 
 def not_installed(name: str, what: str, error: ImportError, fix: str) -> Check:
@@ -120,6 +159,18 @@ def postgres_version(number: int) -> str:
     return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
 
 
+def postgres_check(url: str, *, timeout: float) -> Check:
+    """``run --postgres``'s database: a connection opens (``psycopg``) and answers ``SELECT 1``."""
+    if not is_postgres_url(url):
+        return Check(
+            CHECKPOINT_ROW.name,
+            "fail",
+            f"--postgres {scrub(redact_url(url))!r} is not a URL",
+            "use postgresql://user:password@host:port/db",
+        )
+    return postgres_row(CHECKPOINT_ROW, url, timeout)
+
+
 def shared_state_check(url: str | None, *, timeout: float) -> Check:
     """With ``FUSION_SHARED_STATE=postgres``: the shared state's database opens and answers ``SELECT 1``.
 
@@ -127,34 +178,19 @@ def shared_state_check(url: str | None, *, timeout: float) -> Check:
     A database that does not answer fails no turn (it places in-process), but every worker then
     keeps its own slots and cooldowns, so it is a failed row here.
     """
-    name = "shared state"
     if url is None:
         return Check(
-            name,
+            SHARED_STATE_ROW.name,
             "fail",
             "FUSION_SHARED_STATE=postgres but no database is named",
             "set FUSION_SHARED_STATE_URL=postgresql://... (a LangGraph server sets DATABASE_URI)",
         )
-    shown = redact_url(url)
-    if not url.startswith(("postgres://", "postgresql://")):
+    if not is_postgres_url(url):
         scheme = url.split("://", 1)[0][:20] if "://" in url else ""
         return Check(
-            name,
+            SHARED_STATE_ROW.name,
             "fail",
             f"the shared state's URL is not a postgresql:// URL (its scheme is {scheme!r})",
             "fix FUSION_SHARED_STATE_URL (or DATABASE_URI when that is empty)",
         )
-    try:
-        import psycopg  # noqa: F401  (what the shared state needs)
-        import psycopg_pool  # noqa: F401  (what the shared state needs)
-    except ImportError as error:
-        return not_installed(name, "the shared state", error, "pip install 'fusion-graph[postgres]'")
-    version, detail = select_one(url, timeout)
-    if version is None:
-        return Check(
-            name,
-            "fail",
-            f"cannot connect to {shown} ({detail}); until it answers, every worker places in-process",
-            "check FUSION_SHARED_STATE_URL and that the server runs",
-        )
-    return Check(name, "ok", f"{shown} connects: slots, cooldowns and memory job claims are shared")
+    return postgres_row(SHARED_STATE_ROW, url, timeout)

@@ -21,7 +21,7 @@ from typer.testing import Result
 
 import fusion_graph.cli.doctor.llama as module
 from fusion_graph.cli.doctor import Check, doctor
-from fusion_graph.cli.doctor.checkpoints import postgres_check, redact_url, sqlite_check
+from fusion_graph.cli.doctor.checkpoints import postgres_check, redact_url, shared_state_check, sqlite_check
 from fusion_graph.cli.doctor.cloud import FoundKey, cloud_models_check
 from fusion_graph.cli.doctor.props import (
     cache_checks,
@@ -335,6 +335,20 @@ def test_postgres(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)
     missing = postgres_check(url, timeout=1)
     assert missing.status == "fail" and "psycopg" in missing.detail and "pip install" in missing.fix
+
+
+def test_shared_state_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    unnamed = shared_state_check(None, timeout=1)
+    assert unnamed.status == "fail" and "FUSION_SHARED_STATE_URL" in unnamed.fix
+    wrong = shared_state_check("mysql://u:secret@h/d", timeout=1)
+    assert wrong.status == "fail" and "'mysql'" in wrong.detail and "secret" not in wrong.detail
+    url = f"postgresql://user:pa55word@127.0.0.1:{free_port()}/db"
+    refused = shared_state_check(url, timeout=1)
+    assert refused.status == "fail" and "pa55word" not in refused.detail and "[REDACTED]" in refused.detail
+    assert refused.detail.endswith("every worker places in-process")
+    monkeypatch.setitem(sys.modules, "psycopg_pool", None)
+    missing = shared_state_check(url, timeout=1)
+    assert missing.status == "fail" and "psycopg_pool" in missing.detail and "pip install" in missing.fix
 
 
 def test_redact_url() -> None:
