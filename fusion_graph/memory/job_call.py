@@ -22,7 +22,7 @@ from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.placement import Placement, Placer
 from fusion_graph.redact import scrub
-from fusion_graph.routing.records import RouteRecord, unanswered_record
+from fusion_graph.routing.records import RouteRecord, make_record
 from fusion_graph.routing.score import Leg, RouteDecision
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ async def run_job(
 def dropped_record(job: MemoryJob, leg: Leg, turn: int, step: int, why: str) -> RouteRecord:
     """The record of a job that produced no answer at all (timeout, every provider down)."""
     decision = RouteDecision(leg=leg, score=None, threshold=None, reason=f"memory job {job.name} dropped")
-    return unanswered_record(
+    return make_record(
         turn=turn, step=step, kind="memory", decision=decision, extra={"job": job.name, "dropped": scrub(why)}
     )
 

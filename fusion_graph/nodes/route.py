@@ -39,7 +39,7 @@ from fusion_graph.nodes.dispatch import sends
 from fusion_graph.nodes.shadow import picked
 from fusion_graph.providers.measure import Prepared, Sizer, StepSizes
 from fusion_graph.routing.budget import BudgetCheck
-from fusion_graph.routing.records import RouteRecord, StepKind, unanswered_record
+from fusion_graph.routing.records import RouteRecord, StepKind, make_record
 from fusion_graph.routing.score import RouteDecision, StepSignals
 from fusion_graph.sizing.tokens import TokenCounter
 from fusion_graph.sizing.turn import last_batch, next_route, next_step, pending_calls, step_tally
@@ -103,7 +103,7 @@ def over_budget(order: StepOrder, prepared: Prepared) -> tuple[RouteRecord, AIMe
     """
     fit = prepared.plan.reason or "the local window cannot hold it"
     why = order.check.over or "over budget"
-    record = unanswered_record(
+    record = make_record(
         turn=order.turn,
         step=order.step,
         kind=order.kind,

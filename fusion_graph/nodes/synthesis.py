@@ -29,7 +29,7 @@ from fusion_graph.errors import ProviderRequestError, StateError
 from fusion_graph.inputs import thread_id_of
 from fusion_graph.providers.ask import ROUTE_EVENT, Ask, Bounds, ask
 from fusion_graph.providers.measure import Sizer
-from fusion_graph.routing.records import totals_of, unanswered_record
+from fusion_graph.routing.records import make_record, totals_of
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import build_prompt
 from fusion_graph.sizing.turn import last_ai
@@ -127,7 +127,7 @@ class SynthesisNode:
         kept: dict[str, Any],
     ) -> dict[str, Any]:
         """No call made: the record says why, and the local reply stands."""
-        record = unanswered_record(
+        record = make_record(
             turn=turn, step=step, kind="synthesis", decision=decision, extra={**kept, "skipped": why}
         )
         runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})

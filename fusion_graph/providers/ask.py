@@ -15,7 +15,7 @@ every call is made and recorded the same way:
   uncaught exception;
 - one ``route_log`` entry (who answered, which attempts failed before, what
   it cost at the answering provider's prices), also for a call no provider
-  answered (``routing.records.unanswered_record``);
+  answered (``routing.records.make_record``);
 - a slot's priming request (``prime_slot``, before a memory job) is built by
   the same request builder on the same placement, and is never recorded;
 - where a ``writer`` is given, two custom stream events
@@ -51,10 +51,8 @@ from fusion_graph.routing.records import (
     Attempt,
     RouteRecord,
     StepKind,
-    attempt_dict,
     in_all_cloud_baseline,
     make_record,
-    unanswered_record,
 )
 from fusion_graph.routing.score import RouteDecision, StepSignals
 from fusion_graph.sizing.estimate import Estimate
@@ -382,7 +380,7 @@ async def ask(
             fits=walk.fits,
         )
     except ChainExhausted as exhausted:
-        record = unanswered_record(
+        record = make_record(
             turn=call.turn,
             step=call.step,
             kind=call.kind,
@@ -490,7 +488,7 @@ def answered_record(
         provider=link.id,
         answer=outcome.answer,
         slot=slot,
-        attempts=[attempt_dict(attempt) for attempt in outcome.attempts],
+        attempts=outcome.attempts,
         extra={"probe": outcome.probe, "latency_s": round(outcome.latency_s, 4), **(extra or {})},
     )
     record["cost_usd"] = price(

@@ -49,7 +49,7 @@ from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub
 from fusion_graph.routing.budget import UNLIMITED, BudgetCheck, check_budget, expected_completion
-from fusion_graph.routing.records import RouteRecord, unanswered_record
+from fusion_graph.routing.records import RouteRecord, make_record
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import approximate_tokens
 
@@ -349,7 +349,7 @@ class SamplingCallback:
         if asked is None or asked.answer is None:
             assert failure is not None
             failed = scrub(f"{type(failure).__name__}: {failure}")
-            record = unanswered_record(
+            record = make_record(
                 turn=turn,
                 step=step,
                 kind="sampling",

@@ -181,19 +181,20 @@ def make_record(
     turn: int,
     step: int,
     kind: StepKind,
-    leg: Leg,
     decision: RouteDecision,
-    signals: StepSignals | None,
-    provider: str | None,
-    answer: AIMessage | None,
+    signals: StepSignals | None = None,
+    leg: Leg | None = None,
+    provider: str | None = None,
+    answer: AIMessage | None = None,
     slot: int | None = None,
-    attempts: list[dict[str, Any]] | None = None,
+    attempts: Iterable[Attempt] = (),
     extra: dict[str, Any] | None = None,
 ) -> RouteRecord:
-    """The ``route_log`` entry of one inference.
+    """The ``route_log`` entry of one inference, answered (``answer``) or not (``extra`` says why).
 
-    Token counts come from the provider's answer; ``cost_usd`` stays ``None``
-    until a priced provider fills it (never a guess).
+    ``leg`` is the leg that answered (the routed one when none did). Token
+    counts come from the provider's answer; ``cost_usd`` stays ``None`` until a
+    priced provider fills it (never a guess).
     """
     prompt, cached, completion = usage_numbers(answer) if answer is not None else (None, None, None)
     processed, reused, prompt_ms = timings_numbers(answer) if answer is not None else (None, None, None)
@@ -204,7 +205,7 @@ def make_record(
         turn=turn,
         step=step,
         kind=kind,
-        leg=leg,
+        leg=leg or decision.leg,
         routed_leg=decision.leg,
         score=score.score if score is not None else None,
         breakdown=score.breakdown() if score is not None else None,
@@ -212,7 +213,7 @@ def make_record(
         reason=decision.reason,
         signals=dict(vars(signals)) if signals is not None else {},  # numbers and flags: no deep copy
         provider=provider,
-        attempts=attempts or [],
+        attempts=[dict(vars(attempt)) for attempt in attempts],  # plain dicts, as state keeps them
         prompt_tokens=prompt,
         cached_tokens=cached,
         completion_tokens=completion,
@@ -223,36 +224,6 @@ def make_record(
         extra=extra or {},
         kept_local_by_budget=decision.budget is not None,
     )
-
-
-def unanswered_record(
-    *,
-    turn: int,
-    step: int,
-    kind: StepKind,
-    decision: RouteDecision,
-    signals: StepSignals | None = None,
-    attempts: Iterable[Attempt] = (),
-    extra: dict[str, Any] | None = None,
-) -> RouteRecord:
-    """The record of an inference no provider answered, or that was not made (``extra`` says why)."""
-    return make_record(
-        turn=turn,
-        step=step,
-        kind=kind,
-        leg=decision.leg,
-        decision=decision,
-        signals=signals,
-        provider=None,
-        answer=None,
-        attempts=[attempt_dict(attempt) for attempt in attempts],
-        extra=extra,
-    )
-
-
-def attempt_dict(attempt: Attempt) -> dict[str, Any]:
-    """An attempt as the plain dict a record keeps."""
-    return dict(vars(attempt))
 
 
 def totals_of(record: RouteRecord) -> dict[str, Any]:

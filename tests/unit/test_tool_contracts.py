@@ -367,11 +367,11 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
 
 def test_a_sampling_tool_s_own_command_update_is_kept_beside_its_records() -> None:
     from fusion_graph.nodes.tools import with_records
-    from fusion_graph.routing.records import unanswered_record
+    from fusion_graph.routing.records import make_record
     from fusion_graph.routing.score import RouteDecision
 
     decision = RouteDecision(leg="local", score=None, threshold=None, reason="a sample")
-    record = unanswered_record(turn=0, step=1, kind="sampling", decision=decision)
+    record = make_record(turn=0, step=1, kind="sampling", decision=decision)
     reply = ToolMessage("done", tool_call_id="c1")
     as_pairs = with_records(Command(update=[("messages", [reply]), ("notes", "kept")]), [record])
     assert as_pairs.update == [("messages", [reply]), ("notes", "kept"), ("route_log", [record])]

@@ -156,10 +156,10 @@ def test_doctor_warns_when_the_cloud_model_has_no_price(
 
 def test_an_inference_nobody_answered_is_not_unpriced_and_no_price_is_suggested() -> None:
     from fusion_graph.cli.prices import price_note
-    from fusion_graph.routing.records import totals_of, unanswered_record
+    from fusion_graph.routing.records import make_record, totals_of
 
     cloud = TokenPrices(1.0, 2.0, 0.5)
-    nobody = unanswered_record(turn=0, step=1, kind="step", decision=RouteDecision("cloud", None, None, "r"))
+    nobody = make_record(turn=0, step=1, kind="step", decision=RouteDecision("cloud", None, None, "r"))
     records = [record("local:qwen", "local", 0.0), nobody]
     costs = priced_costs(records, cloud, "cloudfake")
     assert (costs.priced, costs.unpriced, costs.unanswered) == (1, 0, 1)
