@@ -17,10 +17,12 @@ processor into an exporter that drops it) against both off, interleaved likewise
 agent: the same agent with it (the plan routed to the cloud model, every later
 step to the local one, each recorded) against without it.
 
-``--floor`` measures what LangGraph alone costs on fusion's state: a bare graph over
-``fusion_graph.state.State`` (a node that calls the model, ``ToolNode``, each tool call
-sent as fusion sends it, one ``Send`` each; no routing, no records) against
-``create_agent``. What fusion costs beyond that floor is its own per-step work.
+``--floor`` measures what LangGraph alone costs on fusion's shape: a bare graph over
+``fusion_graph.state.State`` with fusion's node names (the idle ones only add channels), a
+node that calls the model and writes what a fusion step writes (its record, step and
+totals), and ``ToolNode`` with one ``Send`` per tool call as fusion sends them; no routing,
+no provider chain, no batch rules, no hooks; against ``create_agent``. What fusion costs
+beyond that floor is its own per-step work.
 
 ``--rounds`` is the number of interleaved pairs per length (default 15; for
 turns longer than 300 steps the default shrinks in proportion, so each length
@@ -31,7 +33,7 @@ stdout and to ``--out``.
     python -m bench.overhead --steps 30 --rounds 40 --out overhead.json
     python -m bench.overhead --telemetry --out telemetry.json  # telemetry on against off
     python -m bench.overhead --middleware --out middleware.json  # create_agent with the middleware
-    python -m bench.overhead --floor --out floor.json      # LangGraph alone on fusion's state
+    python -m bench.overhead --floor --out floor.json      # LangGraph alone on fusion's shape
 """
 
 from __future__ import annotations
@@ -139,24 +141,83 @@ async def run_agent(steps: int, thread: str) -> float:
     return elapsed
 
 
+@dataclass(frozen=True)
+class Shape:
+    """Fusion's graph as LangGraph sees it: its nodes, and what one of its steps writes besides the answer.
+
+    Attributes:
+        nodes: The compiled graph's node names.
+        writes: A continuation step's writes other than ``messages`` (its record, step index, totals).
+    """
+
+    nodes: tuple[str, ...]
+    writes: dict[str, Any]
+
+
+#: Fusion's shape, once read.
+_SHAPE: list[Shape] = []
+
+
+async def fusion_shape() -> Shape:
+    """Fusion's shape, read once from a real two-step turn (its second step's own update)."""
+    if _SHAPE:
+        return _SHAPE[0]
+    answers = script(2)
+    graph = build_graph(
+        cloud_model=model(answers[:1]),
+        local_model=model(answers[1:]),
+        tools=[echo],
+        checkpointer=InMemorySaver(),
+    )
+    context = FusionContext(max_steps=7, sub_runners="off", loop_repeat_limit=100)
+    writes: dict[str, Any] = {}
+    async for update in graph.astream(
+        {"messages": [HumanMessage("go")]},
+        {"configurable": {"thread_id": "shape"}},
+        context=context,
+        stream_mode="updates",
+    ):
+        writes = {k: v for k, v in (update.get("local") or writes).items() if k != "messages"}
+    assert set(writes) >= {"route_log", "step", "totals"}, writes
+    _SHAPE.append(Shape(tuple(name for name in graph.nodes if name != START), writes))
+    return _SHAPE[0]
+
+
 async def run_floor(steps: int, thread: str) -> float:
-    """Seconds one ``steps``-step turn takes through a bare graph over fusion's state (the floor)."""
+    """Seconds one ``steps``-step turn takes through a bare graph of fusion's shape (the floor).
+
+    Fusion's state and node names (all but ``local`` and ``tools`` idle: they only add channels);
+    ``local`` calls the model and writes what a fusion step writes; each tool call is its own
+    ``Send`` to ``ToolNode``. No routing, no provider chain, no batch rules, no hooks.
+    """
+    shape = await fusion_shape()
     scripted = model(script(steps))
+    counted = {"step": 0}
 
-    async def answer(state: State) -> dict[str, Any]:
-        return {"messages": [await scripted.ainvoke(state["messages"])]}
+    async def local(state: State) -> dict[str, Any]:
+        counted["step"] += 1
+        record = {**shape.writes["route_log"][0], "step": counted["step"]}
+        update = {**shape.writes, "route_log": [record], "step": counted["step"]}
+        return {"messages": [await scripted.ainvoke(state["messages"])], **update}
 
-    def after(state: State) -> Any:
+    async def idle(state: State) -> dict[str, Any]:
+        return {}
+
+    async def after(state: State) -> Any:
         last = state["messages"][-1]
         calls = last.tool_calls if isinstance(last, AIMessage) else []
         return [Send("tools", [call]) for call in calls] if calls else END
 
     builder = StateGraph(State)
-    builder.add_node("answer", answer)
+    for name in shape.nodes:
+        if name not in ("local", "tools"):
+            builder.add_node(name, idle)
+            builder.add_edge(name, END)
+    builder.add_node("local", local)
     builder.add_node("tools", ToolNode([echo]))
-    builder.add_edge(START, "answer")
-    builder.add_conditional_edges("answer", after, ["tools", END])
-    builder.add_edge("tools", "answer")
+    builder.add_edge(START, "local")
+    builder.add_conditional_edges("local", after, ["tools", END])
+    builder.add_edge("tools", "local")
     graph = builder.compile(checkpointer=InMemorySaver())
     graph_input: Any = {"messages": [HumanMessage("go")]}
     gc.collect()
@@ -164,6 +225,7 @@ async def run_floor(steps: int, thread: str) -> float:
     out = await graph.ainvoke(graph_input, {"configurable": {"thread_id": thread}})
     elapsed = time.perf_counter() - began
     assert sum(isinstance(m, AIMessage) for m in out["messages"]) == steps
+    assert len(out["route_log"]) == steps
     return elapsed
 
 

@@ -1,0 +1,187 @@
+"""What each piece of a fusion step costs, timed inside the turns ``bench/overhead.py`` runs.
+
+``bench/overhead.py`` says how much slower a fusion step is than a ``create_agent`` one;
+this says where that time goes. The same scripted turns run with a stopwatch around the
+pieces fusion adds to a step, interleaved with ``create_agent`` turns in one run:
+
+- the decision: ``RouteNode.decide`` and the plan's ``decide_step`` (measure, score, route,
+  budget guard);
+- the executor: ``InferenceNodes._infer`` less the provider call (fit, batch rules, update);
+- the provider call: ``ask`` less the model's run (placement, chain walk, record, price);
+- the tool hook: ``wrap_tool_call`` less the tool call (sampling scope, scrub, cap);
+- the model's run (``ainvoke``) in either graph: fusion calls it with its own config.
+
+Each is a mean in microseconds per step. What is left of the difference between a fusion
+step and a ``create_agent`` step (``rest``) is LangGraph on fusion's graph, the edges,
+the plan and everything per turn. The stopwatch itself adds about 1 us per timed call
+(five a fusion step, one a ``create_agent`` step).
+
+    python -m bench.step_pieces                        # 3, 30, 100 and 300 steps, 15 rounds each
+    python -m bench.step_pieces --steps 30 --rounds 40 --out pieces.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import statistics
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.overhead import ROUNDS, STEPS, Scripted, default_rounds, run_agent, run_fusion
+from fusion_graph.nodes import executors, route, tools
+
+#: Fusion's own pieces in the order of a step, as the table and the JSON name them.
+PIECES = ("decision", "executor", "provider call", "tool hook")
+
+
+class Stopwatch:
+    """Nanoseconds spent inside each timed function, summed by name."""
+
+    def __init__(self) -> None:
+        """Nothing timed yet."""
+        self.ns: Counter[str] = Counter()
+        self.side = "fusion"
+        """The graph whose turn runs now: the model's run is timed per graph."""
+
+    def timed(self, name: str, function: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """``function`` (a coroutine function), its time added to ``name``."""
+
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter_ns()
+            try:
+                return await function(*args, **kwargs)
+            finally:
+                self.ns[name] += time.perf_counter_ns() - began
+
+        return run
+
+    def pieces(self) -> dict[str, int]:
+        """Each piece's own time: what a timed function took less the timed call inside it."""
+        ns = self.ns
+        return {
+            "decision": ns["decide"],
+            "executor": ns["infer"] - ns["ask"],
+            "provider call": ns["ask"] - ns["model fusion"],
+            "tool hook": ns["hook"] - ns["tool"],
+        }
+
+    def model_run(self, function: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """``function`` (the model's ``ainvoke``), its time added to the graph whose turn runs."""
+
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            return await self.timed(f"model {self.side}", function)(*args, **kwargs)
+
+        return run
+
+
+@contextlib.contextmanager
+def watching(watch: Stopwatch) -> Iterator[None]:
+    """The pieces of every fusion graph built inside timed by ``watch``."""
+    hook = tools.wrap_tool_call
+
+    async def timed_hook(request: Any, execute: Callable[[Any], Awaitable[Any]]) -> Any:
+        return await watch.timed("hook", hook)(request, watch.timed("tool", execute))
+
+    with contextlib.ExitStack() as stack:
+        for owner, name, key in (
+            (route.RouteNode, "decide", "decide"),  # a continuation step's
+            (executors, "decide_step", "decide"),  # the plan's
+            (executors.InferenceNodes, "_infer", "infer"),
+            (executors, "ask", "ask"),
+        ):
+            stack.enter_context(mock.patch.object(owner, name, watch.timed(key, getattr(owner, name))))
+        stack.enter_context(mock.patch.object(tools, "wrap_tool_call", timed_hook))
+        stack.enter_context(mock.patch.object(Scripted, "ainvoke", watch.model_run(Scripted.ainvoke)))
+        yield
+
+
+async def measure(rounds: int, steps: int) -> dict[str, Any]:
+    """``rounds`` interleaved pairs of ``steps``-step turns: each piece's mean, both graphs' medians."""
+    watch = Stopwatch()
+    fusion: list[float] = []
+    agent: list[float] = []
+    with watching(watch):
+        await run_fusion(steps, "warm-fusion")
+        await run_agent(steps, "warm-agent")
+        watch.ns.clear()
+        for i in range(rounds):
+            pair = (("fusion", run_fusion, fusion), ("agent", run_agent, agent))
+            for side, runner, kept in pair if i % 2 == 0 else reversed(pair):
+                watch.side = side
+                kept.append(await runner(steps, f"r{i}") / steps)
+    us = 1000 * rounds * steps
+    per_step = {name: ns / us for name, ns in watch.pieces().items()}
+    model = {side: watch.ns[f"model {side}"] / us for side in ("fusion", "agent")}
+    fusion_us, agent_us = statistics.median(fusion) * 1e6, statistics.median(agent) * 1e6
+    own = sum(per_step.values()) + model["fusion"] - model["agent"]
+    return {
+        "steps_per_turn": steps,
+        "rounds": rounds,
+        "us_per_step": {name: round(value, 1) for name, value in per_step.items()},
+        "model_run_us_per_step": {side: round(value, 1) for side, value in model.items()},
+        "fusion_us_per_step": round(fusion_us, 1),
+        "create_agent_us_per_step": round(agent_us, 1),
+        # Both graphs run the model and the tool: what fusion adds to neither is the rest.
+        "rest_us_per_step": round(fusion_us - agent_us - own, 1),
+    }
+
+
+async def measure_all(steps: Sequence[int], rounds: int | None) -> dict[str, Any]:
+    """``measure`` at every turn length, in the order given."""
+    results = [await measure(rounds or default_rounds(length), length) for length in steps]
+    return {"results": results, "meta": {"python": platform.python_version(), "machine": platform.machine()}}
+
+
+def table_of(result: dict[str, Any]) -> Table:
+    """One row per turn length: each piece, both graphs' step and the rest, in microseconds."""
+    table = Table(title="what a fusion step's pieces cost, us per step (pieces: means; graphs: medians)")
+    for column in ("steps", *PIECES, "model run: fusion / create_agent", "fusion", "create_agent", "rest"):
+        table.add_column(column, justify="right")
+    for row in result["results"]:
+        model = row["model_run_us_per_step"]
+        table.add_row(
+            str(row["steps_per_turn"]),
+            *(f"{row['us_per_step'][name]:.0f}" for name in PIECES),
+            f"{model['fusion']:.0f} / {model['agent']:.0f}",
+            f"{row['fusion_us_per_step']:.0f}",
+            f"{row['create_agent_us_per_step']:.0f}",
+            f"{row['rest_us_per_step']:.0f}",
+        )
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, nargs="+", default=list(STEPS), help="turn lengths (default: 3 30 100 300)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help=f"interleaved pairs per length (default {ROUNDS})"
+    )
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
+        parser.error("--steps and --rounds must be at least 1")
+    result = asyncio.run(measure_all(args.steps, args.rounds))
+    Console(stderr=True, width=140).print(table_of(result))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
