@@ -322,7 +322,7 @@ PAIRS: dict[str, Pair] = {
         run_agent,
         run_floor,
         ("off", "on"),
-        "of create_agent (off) and of a bare graph over fusion's state (on)",
+        "of create_agent (off) and of a bare graph of fusion's shape (on)",
     ),
 }
 
@@ -393,9 +393,10 @@ def table_of(result: dict[str, Any], pair: Pair) -> Table:
     return table
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def turn_parser(description: str | None) -> argparse.ArgumentParser:
+    """A parser with the options every scripted-turn benchmark takes: ``--steps``, ``--rounds``, ``--out``."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--steps", type=int, nargs="+", default=list(STEPS), help="turn lengths (default: 3 30 100 300)"
@@ -407,6 +408,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         help=f"interleaved pairs per length (default {ROUNDS}, fewer beyond {LONG_TURN} steps)",
     )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    return parser
+
+
+def turn_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``argv`` parsed by ``parser`` (a ``turn_parser``), lengths and rounds checked."""
+    args = parser.parse_args(argv)
+    if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
+        parser.error("--steps and --rounds must be at least 1")
+    return args
+
+
+def report(table: Table, result: dict[str, Any], out: Path | None) -> None:
+    """The table to stderr; the JSON to stdout, and to ``out`` when given."""
+    Console(stderr=True, width=140).print(table)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = turn_parser(__doc__)
     parser.add_argument(
         "--telemetry", action="store_true", help="measure metrics and traces on against off instead"
     )
@@ -418,22 +441,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="measure a bare LangGraph graph over fusion's state against create_agent instead",
+        help="measure a bare LangGraph graph of fusion's shape against create_agent instead",
     )
-    args = parser.parse_args(argv)
-    if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
-        parser.error("--steps and --rounds must be at least 1")
+    args = turn_options(parser, argv)
     chosen = [mode for mode in ("telemetry", "middleware", "floor") if getattr(args, mode)]
     if len(chosen) > 1:
         parser.error("--telemetry, --middleware and --floor measure different things: give one")
     pair = PAIRS[chosen[0] if chosen else "fusion"]
     result = asyncio.run(measure_all(args.steps, args.rounds, pair))
-    table = table_of(result, pair)
-    Console(stderr=True).print(table)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n", encoding="utf-8")
+    report(table_of(result, pair), result, args.out)
 
 
 if __name__ == "__main__":

@@ -22,23 +22,27 @@ the plan and everything per turn. The stopwatch itself adds about 1 us per timed
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import platform
 import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from rich.console import Console
 from rich.table import Table
 
-from bench.overhead import ROUNDS, STEPS, Scripted, default_rounds, run_agent, run_fusion
+from bench.overhead import (
+    Scripted,
+    default_rounds,
+    report,
+    run_agent,
+    run_fusion,
+    turn_options,
+    turn_parser,
+)
 from fusion_graph.nodes import executors, route, tools
 
 #: Fusion's own pieces in the order of a step, as the table and the JSON name them.
@@ -162,25 +166,9 @@ def table_of(result: dict[str, Any]) -> Table:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--steps", type=int, nargs="+", default=list(STEPS), help="turn lengths (default: 3 30 100 300)"
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=None, help=f"interleaved pairs per length (default {ROUNDS})"
-    )
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
-    args = parser.parse_args(argv)
-    if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
-        parser.error("--steps and --rounds must be at least 1")
+    args = turn_options(turn_parser(__doc__), argv)
     result = asyncio.run(measure_all(args.steps, args.rounds))
-    Console(stderr=True, width=140).print(table_of(result))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n", encoding="utf-8")
+    report(table_of(result), result, args.out)
 
 
 if __name__ == "__main__":
