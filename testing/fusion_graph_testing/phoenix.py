@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
@@ -99,16 +98,10 @@ class Phoenix(ManagedProcess):
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port, self.grpc_port = free_port(), free_port()
         self._launch()
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                raise PhoenixError(self._failure(f"phoenix exited with code {self._proc.returncode}"))
-            if self.ready():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise PhoenixError(self._failure(f"phoenix did not answer within {self.startup_timeout:.0f} s"))
+        self._await_ready(
+            self.ready, name="phoenix", timeout=self.startup_timeout, poll_s=0.5, error=PhoenixError
+        )
+        return self
 
     def spans(self, project: str) -> list[dict[str, Any]]:
         """Every span Phoenix holds for ``project`` (all pages)."""

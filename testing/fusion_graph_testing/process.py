@@ -1,9 +1,10 @@
 """One loopback server process a test starts: launched with its log, stopped by its own PID.
 
-``LlamaServer``, ``Gateway``, ``RedisServer`` and ``LangGraphWorker`` share this
-lifecycle; each says how it starts (``start``: a free port, then its own readiness
-check), what it runs (``args``) and, where it needs them, its environment and
-working directory (``launch_env``, ``launch_cwd``).
+``LlamaServer``, ``Gateway``, ``RedisServer``, ``LangGraphWorker``, ``GraphWorker``,
+``Phoenix`` and ``Prometheus`` share this lifecycle; each says how it starts (``start``: a
+free port, then its own readiness check, ``_await_ready`` where that is a plain poll), what it
+runs (``args``) and, where it needs them, its environment and working directory
+(``launch_env``, ``launch_cwd``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import subprocess
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -67,6 +69,25 @@ class ManagedProcess:
 
     def _failure(self, what: str) -> str:
         return f"{what}; command: {' '.join(self.args())}\nlog {self.log_path}:\n{self.log_tail()}"
+
+    def _await_ready(
+        self, ready: Callable[[], bool], *, name: str, timeout: float, poll_s: float, error: type[Exception]
+    ) -> None:
+        """Poll ``ready`` until it holds.
+
+        Raises ``error`` (with the log's tail) when the process exits first, or
+        when ``timeout`` passes; then the process is stopped first.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise error(self._failure(f"{name} exited with code {self._proc.returncode}"))
+            if ready():
+                return
+            time.sleep(poll_s)
+        self.stop()
+        raise error(self._failure(f"{name} did not answer within {timeout:.0f} s"))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Terminates the process (SIGTERM, then SIGKILL after ``timeout`` s).

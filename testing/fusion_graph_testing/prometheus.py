@@ -8,7 +8,6 @@ PromQL sums with the threads' route logs.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -122,16 +121,10 @@ class Prometheus(ManagedProcess):
         self.write_config()
         self.port = free_port()
         self._launch()
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                raise PrometheusError(self._failure(f"prometheus exited with code {self._proc.returncode}"))
-            if self.ready():
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise PrometheusError(self._failure(f"prometheus was not ready within {self.startup_timeout:.0f} s"))
+        self._await_ready(
+            self.ready, name="prometheus", timeout=self.startup_timeout, poll_s=0.2, error=PrometheusError
+        )
+        return self
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """The instant vector ``promql`` evaluates to now: ``[{"metric": labels, "value": float}]``.

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
-from fusion_graph import FusionSettings, build_graph
+from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI
+from tests.plugins.fakes import user_input
 
 #: USD per million tokens (input, output, cached input) of the scripted cloud model ``c``.
 PRICES = {"c": (10.0, 10.0, 1.0)}
@@ -26,12 +28,21 @@ def lookup(key: str) -> str:
 
 
 def graph_over(
-    cloud: FakeOpenAI, local: FakeOpenAI, *, saver: Any = None, store: Any = None, **settings: Any
+    cloud: FakeOpenAI,
+    local: FakeOpenAI,
+    *,
+    saver: Any = None,
+    store: Any = None,
+    cloud_key: str = "x",
+    **settings: Any,
 ) -> Any:
-    """The graph with ``lookup``: cloud model ``c`` on ``cloud``, llama-server ``l`` on ``local``."""
+    """The graph with ``lookup``: cloud model ``c`` on ``cloud``, llama-server ``l`` on ``local``.
+
+    ``cloud_key`` is the cloud model's API key (a test may plant a secret there).
+    """
     return build_graph(
         cloud_model=ChatOpenAI(
-            model="c", base_url=cloud.base_url, api_key="x", max_retries=0, stream_usage=True
+            model="c", base_url=cloud.base_url, api_key=cloud_key, max_retries=0, stream_usage=True
         ),
         local_model=ChatLlamaServer(
             model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
@@ -41,3 +52,20 @@ def graph_over(
         store=store,
         settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
     )
+
+
+async def turn_state(
+    graph: Any, text: str, how: str, context: FusionContext, config: RunnableConfig | None = None
+) -> dict[str, Any]:
+    """One turn of ``text``, by ``ainvoke`` or drained from ``astream(stream_mode="messages")`` (``how``).
+
+    Every fault test runs both ways; either way the thread's state after the turn is returned.
+    ``config`` defaults to thread ``t``.
+    """
+    config = config if config is not None else {"configurable": {"thread_id": "t"}}
+    if how == "ainvoke":
+        await graph.ainvoke(user_input(text), config, context=context)
+    else:
+        async for _ in graph.astream(user_input(text), config, context=context, stream_mode="messages"):
+            pass
+    return dict((await graph.aget_state(config)).values)

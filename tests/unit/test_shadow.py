@@ -19,7 +19,7 @@ from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.routing.records import same_action
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
-from tests.plugins.served import PRICES, graph_over, lookup
+from tests.plugins.served import PRICES, graph_over, lookup, turn_state
 
 #: Every continuation step local (the plan on cloud), each local step checked by the cloud.
 SHADOWED = FusionContext(cloud_share=10, shadow_share=1.0, sub_runners="off")
@@ -47,13 +47,8 @@ def test_the_same_action_is_the_same_calls_with_equal_arguments_or_both_a_reply(
 
 
 async def turn(graph: Any, text: str, how: str, context: FusionContext = SHADOWED) -> dict[str, Any]:
-    config: Any = {"configurable": {"thread_id": "t"}}
-    if how == "ainvoke":
-        await graph.ainvoke(user_input(text), config, context=context)
-    else:
-        async for _ in graph.astream(user_input(text), config, context=context, stream_mode="messages"):
-            pass
-    return dict((await graph.aget_state(config)).values)
+    """``turn_state`` with shadow checks on by default."""
+    return await turn_state(graph, text, how, context)
 
 
 def tool_results(body: dict[str, Any]) -> int:

@@ -18,8 +18,8 @@ from fusion_graph.agent import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.replay.history import route_history
 from fusion_graph.routing.score import TROUBLE_WEIGHTS, WEIGHTS
-from fusion_graph.run_queue import FusionGraph
-from tests.plugins.fakes import ScriptedModel, ai_calls, call, user_input
+from tests.plugins.fakes import ScriptedModel, ai_calls, call
+from tests.plugins.served import turn_state
 
 #: cloud_share 60: T = 40, h = 10, so a local step escalates at 50 and a cloud one stays down to 30.
 CONTEXT = FusionContext(cloud_share=60, trouble_signals=True, system_prompt="Be brief.")
@@ -86,17 +86,6 @@ def models() -> tuple[StreamedScript, StreamedScript]:
     return cloud, local
 
 
-async def run(graph: FusionGraph, how: str, config: RunnableConfig, context: FusionContext) -> dict[str, Any]:
-    if how == "ainvoke":
-        await graph.ainvoke(user_input("look things up"), config, context=context)
-    else:
-        async for _ in graph.astream(
-            user_input("look things up"), config, context=context, stream_mode="messages"
-        ):
-            pass
-    return dict((await graph.aget_state(config)).values)
-
-
 @pytest.mark.parametrize("how", ["ainvoke", "messages"])
 async def test_failing_tools_latch_the_turn_on_cloud_until_a_success_then_hysteresis_brings_it_back(
     how: str,
@@ -104,7 +93,7 @@ async def test_failing_tools_latch_the_turn_on_cloud_until_a_success_then_hyster
     cloud, local = models()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[lookup], checkpointer=InMemorySaver())
     config: RunnableConfig = {"configurable": {"thread_id": f"trouble-{how}"}}
-    out = await run(graph, how, config, CONTEXT)
+    out = await turn_state(graph, "look things up", how, CONTEXT, config)
     log = out["route_log"]
 
     assert [(r["step"], r["kind"], r["leg"]) for r in log] == [
@@ -156,9 +145,9 @@ async def test_a_new_turn_starts_unlatched() -> None:
     )
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[lookup], checkpointer=InMemorySaver())
     config: RunnableConfig = {"configurable": {"thread_id": "two-turns"}}
-    first = await run(graph, "ainvoke", config, CONTEXT)
+    first = await turn_state(graph, "look things up", "ainvoke", CONTEXT, config)
     assert first["latch"] == 2
-    second = await run(graph, "ainvoke", config, CONTEXT)
+    second = await turn_state(graph, "look things up", "ainvoke", CONTEXT, config)
     assert second["latch"] is None
     assert [r["kind"] for r in second["route_log"]][-1] == "plan"
 
@@ -168,7 +157,9 @@ async def test_with_trouble_signals_off_records_and_state_are_the_seed_rules(how
     cloud, local = models()
     graph = build_graph(cloud_model=cloud, local_model=local, tools=[lookup], checkpointer=InMemorySaver())
     config: RunnableConfig = {"configurable": {"thread_id": f"plain-{how}"}}
-    out = await run(graph, how, config, FusionContext(cloud_share=60, system_prompt="Be brief."))
+    out = await turn_state(
+        graph, "look things up", how, FusionContext(cloud_share=60, system_prompt="Be brief."), config
+    )
 
     assert [(r["kind"], r["leg"]) for r in out["route_log"]] == [
         ("plan", "cloud"),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from fusion_graph import ChainExhausted, FusionContext
@@ -20,8 +18,7 @@ from fusion_graph.routing.budget import (
 )
 from fusion_graph.routing.records import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
-from tests.plugins.fakes import user_input
-from tests.plugins.served import graph_over
+from tests.plugins.served import graph_over, turn_state
 
 #: USD per million tokens of the scripted cloud model ``c``: a cent per thousand tokens either way.
 
@@ -61,16 +58,6 @@ def test_the_reason_carries_the_numbers() -> None:
     assert over_budget(CloudBudget(), CloudSpend(9, 9), None) is None
 
 
-async def run(graph: Any, text: str, how: str, context: FusionContext, thread: str = "t") -> dict[str, Any]:
-    config: Any = {"configurable": {"thread_id": thread}}
-    if how == "ainvoke":
-        await graph.ainvoke(user_input(text), config, context=context)
-    else:
-        async for _ in graph.astream(user_input(text), config, context=context, stream_mode="messages"):
-            pass
-    return dict((await graph.aget_state(config)).values)
-
-
 @pytest.mark.parametrize("how", ["ainvoke", "messages"])
 async def test_a_turn_that_would_overspend_goes_local_at_the_step_that_would_pass_the_budget(
     how: str,
@@ -84,7 +71,7 @@ async def test_a_turn_that_would_overspend_goes_local_at_the_step_that_would_pas
     ):
         graph = graph_over(cloud, local)
         context = FusionContext(cloud_share=100, max_completion_tokens=16, turn_cloud_budget_usd=0.012)
-        state = await run(graph, "look up six keys", how, context)
+        state = await turn_state(graph, "look up six keys", how, context)
     log = state["route_log"]
     spent = 0.0
     for entry in log:
@@ -109,8 +96,8 @@ async def test_once_the_thread_budget_is_spent_plans_run_local(how: str) -> None
     ):
         graph = graph_over(cloud, local, thread_cloud_budget_usd=0.02)
         context = FusionContext(max_completion_tokens=16)
-        await run(graph, "first", how, context)
-        state = await run(graph, "second", how, context)
+        await turn_state(graph, "first", how, context)
+        state = await turn_state(graph, "second", how, context)
     plans = [entry for entry in state["route_log"] if entry["kind"] == "plan"]
     assert [p["leg"] for p in plans] == ["cloud", "local"]
     assert "thread budget $0.02: $0.0" in plans[1]["reason"] and plans[1]["reason"].endswith(": local")
@@ -121,7 +108,7 @@ async def test_once_the_thread_budget_is_spent_plans_run_local(how: str) -> None
 async def test_a_step_only_cloud_can_hold_and_the_budget_cannot_pay_ends_the_turn_clearly(how: str) -> None:
     with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(content="local")]) as local:
         graph = graph_over(cloud, local, local_window_tokens=256, thread_cloud_budget_usd=0.0)
-        state = await run(graph, "word " * 2000, how, FusionContext(max_completion_tokens=16))
+        state = await turn_state(graph, "word " * 2000, how, FusionContext(max_completion_tokens=16))
     assert cloud.requests == [] and local.requests == []
     last = state["route_log"][-1]
     assert last["extra"]["outcome"] == "over_budget" and last["provider"] is None
@@ -135,7 +122,7 @@ async def test_fallover_to_cloud_during_a_local_outage_respects_the_budget(how: 
     with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(status=503)]) as local:
         graph = graph_over(cloud, local, thread_cloud_budget_usd=0.0)
         with pytest.raises(ChainExhausted) as raised:
-            await run(graph, "hello", how, FusionContext(max_completion_tokens=16))
+            await turn_state(graph, "hello", how, FusionContext(max_completion_tokens=16))
     assert cloud.requests == []  # the outage did not buy a cloud answer past the budget
     assert len(local.requests) >= 1
     assert "local" in str(raised.value)
@@ -144,7 +131,9 @@ async def test_fallover_to_cloud_during_a_local_outage_respects_the_budget(how: 
 async def test_without_a_budget_a_local_outage_still_falls_over_to_cloud() -> None:
     with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(status=503)]) as local:
         graph = graph_over(cloud, local)
-        state = await run(graph, "hello", "ainvoke", FusionContext(cloud_share=0, max_completion_tokens=16))
+        state = await turn_state(
+            graph, "hello", "ainvoke", FusionContext(cloud_share=0, max_completion_tokens=16)
+        )
     assert state["route_log"][-1]["leg"] == "cloud" and len(cloud.requests) == 1
     assert "cloud_step_usd" not in state["route_log"][-1]["extra"]
 
@@ -152,7 +141,7 @@ async def test_without_a_budget_a_local_outage_still_falls_over_to_cloud() -> No
 async def test_the_operators_ceiling_binds_a_run_that_asks_for_more() -> None:
     with FakeOpenAI([Reply(content="cloud")]) as cloud, FakeOpenAI([Reply(content="local")]) as local:
         graph = graph_over(cloud, local, thread_cloud_budget_usd=0.0)
-        state = await run(graph, "hi", "ainvoke", FusionContext(thread_cloud_budget_usd=100.0))
+        state = await turn_state(graph, "hi", "ainvoke", FusionContext(thread_cloud_budget_usd=100.0))
     assert state["route_log"][0]["leg"] == "local" and "thread budget $0.0" in state["route_log"][0]["reason"]
 
 
@@ -194,7 +183,9 @@ async def test_a_capped_cloud_call_asks_for_no_more_than_the_budget_pays(how: st
         FakeOpenAI([Reply(content="local")]) as local,
     ):
         graph = graph_over(cloud, local, thread_cloud_budget_usd=0.01)
-        state = await run(graph, "plan it", how, FusionContext(sub_runners="off", max_completion_tokens=4096))
+        state = await turn_state(
+            graph, "plan it", how, FusionContext(sub_runners="off", max_completion_tokens=4096)
+        )
     [plan] = state["route_log"]
     body = cloud.requests[0]
     sent = int(body.get("max_completion_tokens") or body["max_tokens"])
@@ -213,7 +204,7 @@ async def test_memory_jobs_on_cloud_keep_the_budget_like_every_cloud_call(how: s
     ):
         graph = graph_over(cloud, local, store=InMemoryStore(), thread_cloud_budget_usd=0.02)
         context = FusionContext(max_completion_tokens=16, sub_runners="cloud", memory_mode="inline")
-        state = await run(graph, "plan it", how, context)
+        state = await turn_state(graph, "plan it", how, context)
     jobs = [entry for entry in state["route_log"] if entry["kind"] == "memory"]
     assert jobs, state["route_log"]
     assert all(entry["routed_leg"] == "local" for entry in jobs)
@@ -232,7 +223,7 @@ async def test_memory_jobs_on_cloud_run_there_while_the_budget_pays() -> None:
     ):
         graph = graph_over(cloud, local, store=InMemoryStore(), thread_cloud_budget_usd=5.0)
         context = FusionContext(max_completion_tokens=16, sub_runners="cloud", memory_mode="inline")
-        state = await run(graph, "plan it", "ainvoke", context)
+        state = await turn_state(graph, "plan it", "ainvoke", context)
     jobs = [entry for entry in state["route_log"] if entry["kind"] == "memory"]
     assert jobs and all(entry["routed_leg"] == "cloud" and "budget" not in entry["reason"] for entry in jobs)
 

@@ -7,30 +7,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
-from langgraph.checkpoint.memory import InMemorySaver
 from prometheus_client import CollectorRegistry, generate_latest
 
-from fusion_graph import FusionContext, FusionSettings, build_graph
+from fusion_graph import FusionContext, FusionSettings
 from fusion_graph.providers.ask import all_cloud_cost
-from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.routing.records import placement_of
 from fusion_graph.routing.score import score_band
 from fusion_graph.telemetry import switch
 from fusion_graph.telemetry.metrics import NAMES, Metrics
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
-from tests.plugins.fakes import user_input
+from tests.plugins.served import graph_over, turn_state
 
-#: USD per million tokens of the scripted cloud model ``c``.
-PRICES = {"c": (10.0, 10.0, 1.0)}
 SECRET = "sk-planted-secret-0123456789abcdef"
-
-
-@tool
-def lookup(key: str) -> str:
-    """Look a key up."""
-    return f"value of {key}"
 
 
 @pytest.fixture
@@ -53,29 +41,13 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 def graph_with(cloud: FakeOpenAI, local: FakeOpenAI, **settings: Any) -> Any:
-    return build_graph(
-        cloud_model=ChatOpenAI(
-            model="c", base_url=cloud.base_url, api_key=SECRET, max_retries=0, stream_usage=True
-        ),
-        local_model=ChatLlamaServer(
-            model="l", base_url=local.base_url, api_key="x", max_retries=0, stream_usage=True
-        ),
-        tools=[lookup],
-        checkpointer=InMemorySaver(),
-        settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
-    )
+    """``graph_over`` with the planted secret as the cloud key."""
+    return graph_over(cloud, local, cloud_key=SECRET, **settings)
 
 
 async def run(graph: Any, how: str, context: FusionContext) -> dict[str, Any]:
-    config: Any = {"configurable": {"thread_id": "t"}}
-    if how == "ainvoke":
-        await graph.ainvoke(user_input("look up three keys"), config, context=context)
-    else:
-        async for _ in graph.astream(
-            user_input("look up three keys"), config, context=context, stream_mode="messages"
-        ):
-            pass
-    return dict((await graph.aget_state(config)).values)
+    """One turn of three lookups (``turn_state``)."""
+    return await turn_state(graph, "look up three keys", how, context)
 
 
 @pytest.mark.parametrize("how", ["ainvoke", "messages"])
