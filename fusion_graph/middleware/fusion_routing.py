@@ -44,7 +44,7 @@ from fusion_graph import prompts
 from fusion_graph.context import FusionContext, context_defaults, ensure_context
 from fusion_graph.errors import ChainExhausted
 from fusion_graph.inputs import thread_id_of
-from fusion_graph.nodes.route import decide_step, over_budget
+from fusion_graph.nodes.route import decide_step, over_budget, routing_update
 from fusion_graph.providers.ask import Ask, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.measure import Sizer
@@ -53,7 +53,7 @@ from fusion_graph.routing.records import RouteRecord, add_totals, records_totals
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
-from fusion_graph.sizing.turn import step_tally, turn_start
+from fusion_graph.sizing.turn import turn_start
 from fusion_graph.state import PromptAnchor, State, StepTally
 
 
@@ -219,10 +219,7 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
             "provider": record["provider"],
             "anchors": prepared.anchors(anchors, record["leg"], record["prompt_tokens"], provider),
         }
-        if order.decision.latch != state.get("latch"):  # the escalation latch (trouble_signals) moved
-            update["latch"] = order.decision.latch
-        if context.pace_slack is not None:
-            update["step_tally"] = step_tally([*state.get("route_log", []), record], state.get("step_tally"))
+        update |= routing_update(state, order.decision, context, [*state.get("route_log", []), record])
         return ExtendedModelResponse(model_response=responses[-1], command=Command(update=update))
 
 

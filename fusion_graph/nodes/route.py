@@ -21,7 +21,7 @@ against the cloud budget and picked for a shadow check.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
@@ -191,6 +191,25 @@ async def decide_step(
     return order
 
 
+def routing_update(
+    state: Mapping[str, Any],
+    decision: RouteDecision,
+    context: FusionContext,
+    route_log: Sequence[RouteRecord],
+) -> dict[str, Any]:
+    """State a step's decision moves besides the step: the escalation latch and the paced dial's tally.
+
+    The latch (``trouble_signals``) is written only when it moved; the tally of
+    ``route_log`` only when the dial is paced, so the next step counts on from it.
+    """
+    update: dict[str, Any] = {}
+    if decision.latch != state.get("latch"):
+        update["latch"] = decision.latch
+    if context.pace_slack is not None:
+        update["step_tally"] = step_tally(route_log, state.get("step_tally"))
+    return update
+
+
 @dataclass(frozen=True)
 class Routed:
     """Where the turn goes after a batch and, for a step on a leg, the order that sends it there.
@@ -284,12 +303,8 @@ class RouteNode:
         order = await decide_step(
             self.sizer, state, context, self.count_tokens, tools, plan=False, turn=turn, thread_id=thread_id
         )
-        decision, leg = order.decision, order.decision.leg
-        update: dict[str, Any] = {}
-        if decision.latch != state.get("latch"):  # the escalation latch (trouble_signals) moved
-            update["latch"] = decision.latch
-        if context.pace_slack is not None:  # the paced dial's count so far, so the next step counts on
-            update["step_tally"] = step_tally(state.get("route_log", []), state.get("step_tally"))
+        leg = order.decision.leg
+        update = routing_update(state, order.decision, context, state.get("route_log", []))
         every = context.memory_every_k_steps
         goto: Destination | list[Send | Destination] = leg
         if every and step % every == 0 and self.memory_on(runtime):
