@@ -35,7 +35,7 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.prices import PricedCosts, cloud_prices, price_note, priced_costs
-from fusion_graph.cli.stores import DEFAULT_DB
+from fusion_graph.cli.stores import DEFAULT_DB, is_postgres_url
 from fusion_graph.cli.tables import add_number_columns, compact_table
 from fusion_graph.routing.records import is_step, kept_local_by_budget
 
@@ -462,7 +462,7 @@ def report(
     """
     if assistant is not None and postgres is None:
         raise fail("--assistant reads a LangGraph server's threads: give --postgres with its database URL")
-    if postgres is not None and not postgres.startswith(("postgres://", "postgresql://")):
+    if postgres is not None and not is_postgres_url(postgres):
         raise fail("--postgres must be a postgresql://user:password@host:port/db URL")
     if postgres is None and not db.is_file():  # before anything is loaded or priced
         raise fail(

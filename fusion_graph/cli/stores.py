@@ -101,10 +101,15 @@ def check_target(
         raise missing_thread(thread, db, elsewhere)
 
 
+def is_postgres_url(url: str) -> bool:
+    """Whether ``url`` names a Postgres database (``postgres://`` or ``postgresql://``)."""
+    return url.startswith(("postgres://", "postgresql://"))
+
+
 def _check_postgres(url: str) -> None:
     from fusion_graph.redact import scrub
 
-    if not url.startswith(("postgres://", "postgresql://")):
+    if not is_postgres_url(url):
         raise RunError(f"--postgres {scrub(url)!r} is not a postgresql://user:password@host:port/db URL")
 
 

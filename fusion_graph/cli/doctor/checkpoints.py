@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from fusion_graph.cli.doctor.rows import Check
-from fusion_graph.cli.stores import DEFAULT_DB
+from fusion_graph.cli.stores import DEFAULT_DB, is_postgres_url
 from fusion_graph.redact import REDACTED, scrub
 
 
@@ -110,11 +110,6 @@ SHARED_STATE_ROW = PostgresRow(
     ),
     "{url} connects: slots, cooldowns and memory job claims are shared",
 )
-
-
-def is_postgres_url(url: str) -> bool:
-    """Whether ``url`` names a Postgres database (``postgres://`` or ``postgresql://``)."""
-    return url.startswith(("postgres://", "postgresql://"))
 
 
 def postgres_row(row: PostgresRow, url: str, timeout: float) -> Check:
