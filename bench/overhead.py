@@ -421,7 +421,7 @@ def turn_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
 
 def report(table: Table, result: dict[str, Any], out: Path | None) -> None:
     """The table to stderr; the JSON to stdout, and to ``out`` when given."""
-    Console(stderr=True, width=140).print(table)
+    Console(stderr=True).print(table)
     text = json.dumps(result, indent=2)
     print(text)
     if out:

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
+from rich import box
 from rich.table import Table
 
 from bench.overhead import (
@@ -147,17 +148,28 @@ async def measure_all(steps: Sequence[int], rounds: int | None) -> dict[str, Any
     return {"results": results, "meta": {"python": platform.python_version(), "machine": platform.machine()}}
 
 
+#: The table's short column names (an 80-column terminal), by piece.
+HEADERS = {"decision": "decide", "executor": "execute", "provider call": "provider", "tool hook": "hook"}
+
+
 def table_of(result: dict[str, Any]) -> Table:
-    """One row per turn length: each piece, both graphs' step and the rest, in microseconds."""
-    table = Table(title="what a fusion step's pieces cost, us per step (pieces: means; graphs: medians)")
-    for column in ("steps", *PIECES, "model run: fusion / create_agent", "fusion", "create_agent", "rest"):
+    """One row per turn length: each piece, the model's run, both graphs' step and the rest, in us."""
+    table = Table(
+        box=box.SIMPLE_HEAD,  # no column rules and one space between columns: ten fit 80 characters
+        padding=(0, 0, 0, 1),
+        title="a fusion step's pieces, us per step",
+        caption="pieces and model runs: means; fusion and agent steps: medians; "
+        "model: the model's run under fusion (f) and create_agent (a)",
+    )
+    for column in ("steps", *HEADERS.values(), "model f", "model a", "fusion", "agent", "rest"):
         table.add_column(column, justify="right")
     for row in result["results"]:
         model = row["model_run_us_per_step"]
         table.add_row(
             str(row["steps_per_turn"]),
-            *(f"{row['us_per_step'][name]:.0f}" for name in PIECES),
-            f"{model['fusion']:.0f} / {model['agent']:.0f}",
+            *(f"{row['us_per_step'][name]:.0f}" for name in HEADERS),
+            f"{model['fusion']:.0f}",
+            f"{model['agent']:.0f}",
             f"{row['fusion_us_per_step']:.0f}",
             f"{row['create_agent_us_per_step']:.0f}",
             f"{row['rest_us_per_step']:.0f}",
