@@ -21,6 +21,7 @@ import pytest
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from fusion_graph_testing.phoenix import Phoenix, PhoenixNotInstalled, ensure_phoenix
 from tests.plugins.requires import service_missing
+from tests.plugins.served import lookup_then_done
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-planted-cloud-key-0123456789abcdef"
@@ -54,12 +55,7 @@ def test_a_turn_s_spans_reach_phoenix_as_one_tree_with_the_records_attributes(
     out = tmp_path / "route_log.json"
     with (
         FakeOpenAI([refused]) as cloud,
-        FakeOpenAI(
-            [
-                Reply(content="", tool_calls=[("lookup", {"key": "k1"})], prompt_tokens=300),
-                Reply(content="done", prompt_tokens=500, cached_tokens=420),
-            ]
-        ) as local,
+        FakeOpenAI(lookup_then_done()) as local,
     ):
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "FUSION_"))},

@@ -14,7 +14,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.providers.llama_server import ChatLlamaServer
-from fusion_graph_testing.fake_openai import FakeOpenAI
+from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 
 #: USD per million tokens (input, output, cached input) of the scripted cloud model ``c``.
@@ -25,6 +25,14 @@ PRICES = {"c": (10.0, 10.0, 1.0)}
 def lookup(key: str) -> str:
     """Look a key up."""
     return f"value of {key}"
+
+
+def lookup_then_done() -> list[Reply]:
+    """A local leg's script: a ``lookup`` call (300 prompt tokens), then ``done`` (500, 420 cached)."""
+    return [
+        Reply(content="", tool_calls=[("lookup", {"key": "k1"})], prompt_tokens=300),
+        Reply(content="done", prompt_tokens=500, cached_tokens=420),
+    ]
 
 
 def graph_over(

@@ -14,6 +14,7 @@ from fusion_graph import FusionContext
 from fusion_graph.telemetry import switch
 from fusion_graph.telemetry.traces import Traces
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+from tests.plugins.served import lookup_then_done
 from tests.unit.telemetry.test_metrics import SECRET, graph_with, run
 
 
@@ -41,12 +42,7 @@ async def test_a_turn_is_one_tree_whose_chat_spans_say_what_the_records_say(
     refused = Reply(status=500, content=f"upstream broke, key {SECRET}")
     with (
         FakeOpenAI([refused]) as cloud,
-        FakeOpenAI(
-            [
-                Reply(content="", tool_calls=[("lookup", {"key": "k1"})], prompt_tokens=300),
-                Reply(content="done", prompt_tokens=500, cached_tokens=420),
-            ]
-        ) as local,
+        FakeOpenAI(lookup_then_done()) as local,
     ):
         graph = graph_with(cloud, local)
         state = await run(graph, how, FusionContext(cloud_share=30))
