@@ -24,6 +24,11 @@ totals), and ``ToolNode`` with one ``Send`` per tool call as fusion sends them; 
 no provider chain, no batch rules, no hooks; against ``create_agent``. What fusion costs
 beyond that floor is its own per-step work.
 
+``--warm`` builds each graph once a length, with models that replay the script turn after turn,
+and runs every turn through it on a new thread, as an app that builds its graph once does: a
+graph's one-off set-up on its first run (fusion builds its provider chain then) is paid by the
+warm-up run, not by every timed one.
+
 ``--rounds`` is the number of interleaved pairs per length (default 15; for
 turns longer than 300 steps the default shrinks in proportion, so each length
 costs about as much as 300 steps do). The table goes to stderr, the JSON to
@@ -34,6 +39,7 @@ stdout and to ``--out``.
     python -m bench.overhead --telemetry --out telemetry.json  # telemetry on against off
     python -m bench.overhead --middleware --out middleware.json  # create_agent with the middleware
     python -m bench.overhead --floor --out floor.json      # LangGraph alone on fusion's shape
+    python -m bench.overhead --warm --steps 1 3 30 --out warm.json  # each graph built once
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import platform
 import statistics
@@ -72,6 +79,9 @@ STEPS = (3, 30, 100, 300)
 ROUNDS = 15
 #: Beyond this many steps the default rounds shrink in proportion to the turn length.
 LONG_TURN = 300
+#: The longest scripted turn: from about 880 steps on its prompt fills the default conversation
+#: budget (32,768 tokens), its late steps go to cloud, and the two graphs no longer run one turn.
+LONGEST_TURN = 800
 #: The ratio the graph should stay under at every length.
 TARGET_RATIO = 1.10
 
@@ -110,16 +120,37 @@ def model(answers: Sequence[AIMessage]) -> Scripted:
     return Scripted(messages=iter(list(answers)))
 
 
-async def run_fusion(steps: int, thread: str) -> float:
-    """Seconds one ``steps``-step turn takes through fusion-graph."""
+#: Makes the scripted model of a graph from its answers (``model``, or ``replayed`` for many turns).
+Models = Callable[[Sequence[AIMessage]], Scripted]
+
+
+def replayed(answers: Sequence[AIMessage]) -> Scripted:
+    """A model that answers ``answers`` in order, then from the first again: one script per turn.
+
+    Each answer is a fresh copy, as a real model's is (LangGraph gives it its id).
+    """
+    return Scripted(messages=(answer.model_copy() for answer in itertools.cycle(list(answers))))
+
+
+def fusion_graph(steps: int, models: Models = model) -> Any:
+    """A fusion graph whose turns run ``script(steps)``: the plan on cloud, every later step on local."""
     # The plan runs on cloud; every later step on local (low scores at cloud_share 30).
     answers = script(steps)
-    graph = build_graph(
-        cloud_model=model(answers[:1]),
-        local_model=model(answers[1:]),
+    return build_graph(
+        cloud_model=models(answers[:1]),
+        local_model=models(answers[1:]),
         tools=[echo],
         checkpointer=InMemorySaver(),
     )
+
+
+def agent_graph(steps: int, models: Models = model) -> Any:
+    """A ``create_agent`` agent whose turns run ``script(steps)``."""
+    return create_agent(models(script(steps)), tools=[echo], checkpointer=InMemorySaver())
+
+
+async def fusion_turn(graph: Any, steps: int, thread: str) -> float:
+    """Seconds one ``steps``-step turn takes through the fusion graph ``graph``."""
     graph_input: Any = {"messages": [HumanMessage("go")]}
     context = FusionContext(max_steps=steps + 5, sub_runners="off", loop_repeat_limit=100)
     gc.collect()  # the garbage of earlier runs is not collected on this run's time
@@ -130,15 +161,45 @@ async def run_fusion(steps: int, thread: str) -> float:
     return elapsed
 
 
-async def run_agent(steps: int, thread: str) -> float:
-    """Seconds one ``steps``-step turn takes through ``create_agent``."""
-    agent = create_agent(model(script(steps)), tools=[echo], checkpointer=InMemorySaver())
+async def agent_turn(graph: Any, steps: int, thread: str) -> float:
+    """Seconds one ``steps``-step turn takes through the ``create_agent`` agent ``graph``."""
     gc.collect()
     began = time.perf_counter()
-    out = await agent.ainvoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": thread}})
+    out = await graph.ainvoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": thread}})
     elapsed = time.perf_counter() - began
     assert sum(isinstance(m, AIMessage) for m in out["messages"]) == steps
     return elapsed
+
+
+async def run_fusion(steps: int, thread: str) -> float:
+    """Seconds one ``steps``-step turn takes through a new fusion graph."""
+    return await fusion_turn(fusion_graph(steps), steps, thread)
+
+
+async def run_agent(steps: int, thread: str) -> float:
+    """Seconds one ``steps``-step turn takes through a new ``create_agent`` agent."""
+    return await agent_turn(agent_graph(steps), steps, thread)
+
+
+#: ``--warm``'s graphs, one per side and turn length, built on first use.
+WARM_GRAPHS: dict[tuple[str, int], Any] = {}
+
+
+def warm(side: str, steps: int, build: Callable[[int, Models], Any]) -> Any:
+    """The graph of ``side`` for ``steps``-step turns, built once with models that replay the script."""
+    if (side, steps) not in WARM_GRAPHS:
+        WARM_GRAPHS[side, steps] = build(steps, replayed)
+    return WARM_GRAPHS[side, steps]
+
+
+async def run_fusion_warm(steps: int, thread: str) -> float:
+    """Seconds one turn takes through the one fusion graph of its length (as an app builds it once)."""
+    return await fusion_turn(warm("fusion", steps, fusion_graph), steps, thread)
+
+
+async def run_agent_warm(steps: int, thread: str) -> float:
+    """Seconds one turn takes through the one ``create_agent`` agent of its length."""
+    return await agent_turn(warm("create_agent", steps, agent_graph), steps, thread)
 
 
 @dataclass(frozen=True)
@@ -316,6 +377,12 @@ class Pair:
 #: What each mode of the command measures.
 PAIRS: dict[str, Pair] = {
     "fusion": Pair(run_agent, run_fusion, ("create_agent", "fusion"), "of create_agent and fusion"),
+    "warm": Pair(
+        run_agent_warm,
+        run_fusion_warm,
+        ("create_agent", "fusion"),
+        "of create_agent and fusion, each graph built once a length",
+    ),
     "telemetry": Pair(run_fusion, run_fusion_telemetry, ("off", "on"), "with telemetry off and on"),
     "middleware": Pair(run_agent, run_agent_routed, ("off", "on"), "with the middleware off and on"),
     "floor": Pair(
@@ -416,6 +483,11 @@ def turn_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
     args = parser.parse_args(argv)
     if any(steps < 1 for steps in args.steps) or (args.rounds is not None and args.rounds < 1):
         parser.error("--steps and --rounds must be at least 1")
+    if max(args.steps) > LONGEST_TURN:
+        parser.error(
+            f"--steps may be at most {LONGEST_TURN}: a longer scripted turn fills the conversation "
+            "budget and goes to cloud, so fusion would no longer run the turn create_agent runs"
+        )
     return args
 
 
@@ -443,10 +515,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="measure a bare LangGraph graph of fusion's shape against create_agent instead",
     )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="build each graph once a length and run every turn through it, as an app does",
+    )
     args = turn_options(parser, argv)
-    chosen = [mode for mode in ("telemetry", "middleware", "floor") if getattr(args, mode)]
+    chosen = [mode for mode in ("telemetry", "middleware", "floor", "warm") if getattr(args, mode)]
     if len(chosen) > 1:
-        parser.error("--telemetry, --middleware and --floor measure different things: give one")
+        parser.error("--telemetry, --middleware, --floor and --warm measure different things: give one")
     pair = PAIRS[chosen[0] if chosen else "fusion"]
     result = asyncio.run(measure_all(args.steps, args.rounds, pair))
     report(table_of(result, pair), result, args.out)
