@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from fusion_graph.providers.ask import Asked
     from fusion_graph.settings import FusionSettings
 
+#: The fix of a row whose endpoint is not an OpenAI-compatible API (it answered HTML, or no completion).
+NOT_AN_API_FIX = (
+    "set FUSION_CLOUD_BASE_URL to the provider's API base URL (it ends in /v1; empty means OpenAI)"
+)
 #: The cloud base URL when ``cloud_base_url`` is empty (what the OpenAI SDK uses).
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 
@@ -163,7 +167,7 @@ def not_an_api(name: str, method: str, url: str, base: str, response: httpx.Resp
         "fail",
         f"{method} {url} answered {response.status_code} with {what_answered(response)}: {base} is not "
         "an OpenAI-compatible API",
-        "set FUSION_CLOUD_BASE_URL to the provider's API base URL (it ends in /v1; empty means OpenAI)",
+        NOT_AN_API_FIX,
     )
 
 
@@ -296,21 +300,13 @@ def cloud_completion_check(settings: FusionSettings, key: FoundKey, *, timeout: 
     found = _STATUS.search(text)
     code = int(found.group(1)) if found else None
     where = f"HTTP {code}" if code is not None else result.error
-    if _HTML_PAGE in text:
-        return Check(
-            name,
-            "fail",
-            f"the chat completion answered {where} with an HTML page: the endpoint is not an "
-            "OpenAI-compatible API",
-            "set FUSION_CLOUD_BASE_URL to the provider's API base URL (it ends in /v1; empty means OpenAI)",
+    if _HTML_PAGE in text or result.kind == "malformed_response":
+        said = (
+            f"the chat completion answered {where} with an HTML page"
+            if _HTML_PAGE in text
+            else f"the answer is not a chat completion ({text})"
         )
-    if result.kind == "malformed_response":
-        return Check(
-            name,
-            "fail",
-            f"the answer is not a chat completion ({text}): the endpoint is not an OpenAI-compatible API",
-            "set FUSION_CLOUD_BASE_URL to the provider's API base URL (it ends in /v1; empty means OpenAI)",
-        )
+        return Check(name, "fail", f"{said}: the endpoint is not an OpenAI-compatible API", NOT_AN_API_FIX)
     if code in (401, 403):
         return Check(name, "fail", f"key refused for {model}: {where} ({text})", f"check {key.variable}")
     if code == 404:
