@@ -322,12 +322,22 @@ async def run_fusion_telemetry(steps: int, thread: str) -> float:
 
 
 async def interleaved(
-    rounds: int, steps: int, first: Runner, second: Runner, progress: Progress | None = None
+    rounds: int,
+    steps: int,
+    first: Runner,
+    second: Runner,
+    progress: Progress | None = None,
+    warmed: Callable[[], None] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Seconds per step of ``rounds`` interleaved pairs of turns (first, second, second, first, ...)."""
+    """Seconds per step of ``rounds`` interleaved pairs of turns (first, second, second, first, ...).
+
+    One turn of each warms up first, untimed; ``warmed`` is called after them.
+    """
     times: tuple[list[float], list[float]] = ([], [])
     await first(steps, "warm-1")
     await second(steps, "warm-2")
+    if warmed is not None:
+        warmed()
     task = progress.add_task(f"{steps} steps", total=rounds) if progress is not None else None
     for i in range(rounds):
         pair = (first, times[0]), (second, times[1])

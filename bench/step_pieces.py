@@ -36,8 +36,10 @@ from rich import box
 from rich.table import Table
 
 from bench.overhead import (
+    Runner,
     Scripted,
     default_rounds,
+    interleaved,
     report,
     run_agent,
     run_fusion,
@@ -81,6 +83,15 @@ class Stopwatch:
             "tool hook": ns["hook"] - ns["tool"],
         }
 
+    def sided(self, side: str, runner: Runner) -> Runner:
+        """``runner``, its turns' model runs added to ``side``."""
+
+        async def run(steps: int, thread: str) -> float:
+            self.side = side
+            return await runner(steps, thread)
+
+        return run
+
     def model_run(self, function: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         """``function`` (the model's ``ainvoke``), its time added to the graph whose turn runs."""
 
@@ -114,17 +125,14 @@ def watching(watch: Stopwatch) -> Iterator[None]:
 async def measure(rounds: int, steps: int) -> dict[str, Any]:
     """``rounds`` interleaved pairs of ``steps``-step turns: each piece's mean, both graphs' medians."""
     watch = Stopwatch()
-    fusion: list[float] = []
-    agent: list[float] = []
     with watching(watch):
-        await run_fusion(steps, "warm-fusion")
-        await run_agent(steps, "warm-agent")
-        watch.ns.clear()
-        for i in range(rounds):
-            pair = (("fusion", run_fusion, fusion), ("agent", run_agent, agent))
-            for side, runner, kept in pair if i % 2 == 0 else reversed(pair):
-                watch.side = side
-                kept.append(await runner(steps, f"r{i}") / steps)
+        fusion, agent = await interleaved(
+            rounds,
+            steps,
+            watch.sided("fusion", run_fusion),
+            watch.sided("agent", run_agent),
+            warmed=watch.ns.clear,  # the warm-up turns are not counted
+        )
     us = 1000 * rounds * steps
     per_step = {name: ns / us for name, ns in watch.pieces().items()}
     model = {side: watch.ns[f"model {side}"] / us for side in ("fusion", "agent")}
