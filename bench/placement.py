@@ -1,9 +1,11 @@
 """What placing a local request costs: this process's slot table against leases shared in Postgres.
 
-Every local step asks the graph's placer where to go (``Placer.place``). In one
-process that is a dictionary lookup; with ``shared_state="postgres"`` a
-thread's first request claims a lease (a round trip, under an advisory lock)
-and later ones use this process's copy until half the lease has run. This
+Every local step asks the graph's placer where to go (``Placer.place``) and holds
+the slot's turn around its request (``Placement.hold``). In one process that is a
+dictionary lookup and a lock; with ``shared_state="postgres"`` a thread's first
+request claims a lease (a round trip, under an advisory lock), later ones use
+this process's copy until half the lease has run, and every request takes the
+slot's advisory lock on a connection of its own. This
 times both, per request, on a throwaway Postgres cluster (the harness's
 ``PostgresCluster``; it needs Debian's ``postgresql`` binaries): ``threads``
 threads, each placed once (the claim) and then ``steps`` times (its steps).
@@ -27,7 +29,7 @@ from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph.coordination.slot_leases import LocalLeases
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
-from fusion_graph.providers.placement import InProcessPlacement, LeasedPlacement, Placer
+from fusion_graph.providers.placement import LeasedPlacement, Placer, ServerSlots
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.settings import FusionSettings
 
@@ -49,12 +51,16 @@ async def timed(placer: Placer, link: ChainLink, threads: Sequence[str], steps: 
     for thread in threads:
         began = time.perf_counter()
         placed = await placer.place(link, thread)
+        async with placed.hold():  # the slot's turn, taken and given back around each request
+            pass
         first.append(time.perf_counter() - began)
         slots[thread] = placed.slot
     for _ in range(steps):
         for thread in threads:
             began = time.perf_counter()
             placed = await placer.place(link, thread)
+            async with placed.hold():
+                pass
             later.append(time.perf_counter() - began)
             moved += placed.slot != slots[thread]
     return {
@@ -71,14 +77,10 @@ async def measure(url: str, threads: int, steps: int) -> dict[str, Any]:
     link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
     names = [f"thread-{i}" for i in range(threads)]
     # As the graph places without shared state: this process's own lease table, by the same rule.
-    local = LeasedPlacement(
-        LocalLeases(), InProcessPlacement(settings, _no_props, gateway=False), boxes=(), box_model=None
-    )
+    local = LeasedPlacement(LocalLeases(), ServerSlots(settings, _no_props), boxes=(), box_model=None)
     state = SharedState(url)
     try:
-        shared = LeasedPlacement(
-            state, InProcessPlacement(settings, _no_props, gateway=False), boxes=(), box_model=None
-        )
+        shared = LeasedPlacement(state, ServerSlots(settings, _no_props), boxes=(), box_model=None)
         await state.box_of("warm-up", "nobody")  # connect and make the tables before timing
         return {
             "threads": threads,

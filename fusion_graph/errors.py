@@ -5,7 +5,8 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
 
     FusionError                      anything below: catch it to catch them all
     ├── InvalidInput                 (ValueError) the run's input cannot start a turn; nothing was sent
-    │   └── IdentityRefused          (PermissionError) an authenticated run named another user
+    │   ├── IdentityRefused          (PermissionError) an authenticated run named another user
+    │   └── InvalidThreadId          a thread id the graph's checkpointer or store cannot hold
     ├── ContextError                 (ValueError) a run context asks for what the operator did not allow
     ├── ProviderConfigError          (ValueError) a provider cannot be built (no key, bad URL)
     ├── ProviderError                (RuntimeError) a provider call ended without an answer
@@ -15,7 +16,8 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
     ├── LocalServerError             the local endpoint is not what the graph needs
     │   ├── LlamaServerUnavailable   (ConnectionError) llama-server cannot be reached
     │   ├── NotLlamaServer           (ValueError) it answers, but not as llama-server
-    │   └── LocalPoolMismatch        (RuntimeError) the boxes behind a gateway disagree
+    │   ├── LocalPoolMismatch        (RuntimeError) the boxes behind a gateway disagree
+    │   └── SlotBusy                 (TimeoutError) a slot stayed busy with another request too long
     ├── ThreadBusy                   (RuntimeError) another run of the thread holds it (shared checkpointer)
     ├── SharedStateUnavailable       (RuntimeError) the shared state's Postgres failed (callers fall back)
     ├── WorkspaceError               (LangChain's ToolException) a path or edit the file tools refuse
@@ -55,6 +57,16 @@ class InvalidInput(FusionError, ValueError):
 
 class IdentityRefused(InvalidInput, PermissionError):
     """An authenticated run named another user (``configurable.user_id``); nothing was written."""
+
+
+class InvalidThreadId(InvalidInput):
+    """A thread id the graph's checkpointer or store cannot hold; nothing was written.
+
+    LangGraph takes any string as a thread id, but a lone surrogate is not UTF-8
+    (SQLite, Postgres and every other store that writes text refuse it) and
+    PostgreSQL's text refuses a NUL byte. The saver would fail at the run's first
+    write, with an encoding error that does not say why; this says why, before it.
+    """
 
 
 class ContextError(FusionError, ValueError):
@@ -124,6 +136,14 @@ class NotLlamaServer(LocalServerError, ValueError):
 
 class LocalPoolMismatch(LocalServerError, RuntimeError):
     """The boxes of ``local_workers`` do not serve the same model with the same slots."""
+
+
+class SlotBusy(LocalServerError, TimeoutError):
+    """A llama-server slot stayed busy with another request for as long as a request may wait for it.
+
+    The request is not sent (naming a busy slot can corrupt the generation running
+    there); as a timeout, the provider chain retries it or falls over.
+    """
 
 
 class ThreadBusy(FusionError, RuntimeError):

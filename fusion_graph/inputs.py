@@ -1,4 +1,4 @@
-"""What a run must bring: a new user message (within the operator's size), a thread id, and whose it is.
+"""What a run must bring: a new user message (within its size), a thread id its savers can hold, whose it is.
 
 Checked before anything is written or sent to a model, by the graph's entry
 (``run_queue``) and again by the plan step, so a run refused here leaves the
@@ -7,18 +7,81 @@ thread as it was.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage, convert_to_messages
 from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.store.memory import InMemoryStore
 
-from fusion_graph.errors import IdentityRefused, InvalidInput
+from fusion_graph.errors import IdentityRefused, InvalidInput, InvalidThreadId
 
 
 def thread_id_of(config: RunnableConfig) -> str:
     """The conversation's id (``configurable.thread_id``); one shared id when absent."""
     return str((config.get("configurable") or {}).get("thread_id") or "default")
+
+
+#: A lone surrogate (U+D800 to U+DFFF): Python strings may hold one, UTF-8 cannot.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _in_memory(saver: Any) -> bool:
+    """Whether ``saver`` (a checkpointer or store; ``None``: none) keeps a thread id as the string itself."""
+    return saver is None or isinstance(saver, InMemorySaver | InMemoryStore)
+
+
+def _on_postgres(saver: Any) -> bool:
+    """Whether ``saver`` keeps its rows in PostgreSQL (its class or a base is from a ``postgres`` module)."""
+    return any("postgres" in cls.__module__ for cls in type(saver).__mro__)
+
+
+def _nul_refused(saver: Any, what: str) -> str | None:
+    """Why ``saver`` (the graph's ``what``) cannot take a thread id with a NUL byte; ``None``: it can."""
+    if what == "checkpointer":  # SQLite's saver stores and reads it back; PostgreSQL text refuses it
+        return "PostgreSQL text cannot hold one" if saver is not None and _on_postgres(saver) else None
+    if _in_memory(saver):
+        return None
+    # The job log finds a thread's memory runs by a filter on the id: PostgreSQL refuses the value,
+    # SQLite stores it but its JSON filter stops at the NUL and never finds it (the runs would be lost).
+    return (
+        "only the in-memory store keeps and finds it (PostgreSQL refuses it, SQLite's filters stop at it, "
+        "so a memory job of the thread would be lost)"
+    )
+
+
+def check_thread_id(thread_id: Any, *, checkpointer: Any = None, store: Any = None) -> None:
+    """Refuse a thread id that ``checkpointer`` or ``store`` cannot keep, before anything is written.
+
+    LangGraph takes any string, and everything else the graph does with the id
+    hashes it (``surrogatepass``), so any id works with the in-memory saver and
+    store (2,000 characters too). A lone surrogate is not UTF-8: every other
+    saver fails at the run's first write with an encoding error that does not
+    say why. A NUL byte: PostgreSQL text refuses it, and a store other than the
+    in-memory one cannot find the thread's memory job log by it.
+
+    Raises:
+        InvalidThreadId: The id holds what a saver of this graph cannot keep (nothing was written).
+    """
+    if not isinstance(thread_id, str):
+        return  # an int or a UUID: written as its text, which is plain
+    shown = ascii(thread_id if len(thread_id) <= 60 else thread_id[:60] + "...")
+    surrogate = _SURROGATE.search(thread_id)
+    for what, saver in (("checkpointer", checkpointer), ("store", store)):
+        if surrogate is not None and not _in_memory(saver):
+            raise InvalidThreadId(
+                f"thread id {shown} holds a lone surrogate (U+{ord(surrogate.group()):04X}), which is not "
+                f"valid Unicode text: the graph's {what} ({type(saver).__name__}) writes thread ids as UTF-8 "
+                "and cannot store it; nothing was written. Use an id of valid text (e.g. a UUID)"
+            )
+        why = _nul_refused(saver, what) if "\0" in thread_id else None
+        if why is not None:
+            raise InvalidThreadId(
+                f"thread id {shown} holds a NUL byte, which the graph's {what} ({type(saver).__name__}) "
+                f"cannot take: {why}; nothing was written. Use an id without NUL (e.g. a UUID)"
+            )
 
 
 #: The user a run without an authenticated identity or a ``user_id`` belongs to.

@@ -30,7 +30,7 @@ from pydantic import TypeAdapter
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.coordination.shared_state import SharedStateUnavailable
 from fusion_graph.errors import InvalidInput, SyncInEventLoop, ThreadBusy
-from fusion_graph.inputs import check_identity, check_input
+from fusion_graph.inputs import check_identity, check_input, check_thread_id
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.redact import StreamScrubber, registered_secrets, scrub_content, scrub_known
@@ -193,6 +193,11 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         """``CompiledStateGraph.astream`` (and so ``ainvoke``), one run per thread at a time."""
         check_input(input, self.memory_runs.resolver.settings.max_input_chars)
         check_identity(config)
+        saver = self.checkpointer if isinstance(self.checkpointer, BaseCheckpointSaver) else None
+        # An id the savers cannot write is refused here, not by their first write (a bare encoding error).
+        check_thread_id(
+            (config or {}).get("configurable", {}).get("thread_id"), checkpointer=saver, store=self.store
+        )
         # Over the operator's defaults, checked once here: a clear error before anything runs, and
         # every node reads the same FusionContext.
         run_context = kwargs["context"] = ensure_context(kwargs.get("context"), self.run_defaults)

@@ -18,20 +18,25 @@ Policies:
 * ``shared``: the graph's shared placement (``FUSION_SHARED_STATE=postgres``):
   leases, an idle lease taken over least recently used first, straight to the
   lease's box;
-* ``in-process``: each worker's own slot table (``SlotPool``; one box only);
+* ``in-process``: each worker's own lease table (``LocalLeases``; one box, one
+  process);
 * ``no-slot``: the same requests naming no slot, llama-server choosing (one box,
   one process): the baseline of llama-server alone.
 
-Every box runs ``-np`` (conversation slots + the reflection slot), its host
-prompt cache at llama-server's default size and ``--slot-prompt-similarity``
-``--sps`` (default 1: a request naming a slot that holds another prompt saves
-that prompt and loads the best cached one; see docs/deploying.md), and each
-slot is sent one short request first, so no request names an empty slot (which
-would skip the cache). Per variant: processed / physical minimum (per thread,
-the tokens new since its previous local request), the returning turns whose
-slot served another thread in between and how many of them still processed no
-more than their minimum (restored from the host cache), guests and idle leases
-taken over. Run ``python -m bench.kv.crowd``; see bench/README.md.
+Every request of the graph's placement is sent inside its slot's turn
+(``Placement.hold``), as the graph sends it. Every box runs ``-np``
+(conversation slots + the reflection slot) and its host prompt cache at
+llama-server's default size; ``--flags`` picks what else: ``defaults`` (nothing
+more: llama-server's ``--slot-prompt-similarity`` 0.1) and ``documented``
+(``-sps 1``, as docs/deploying.md prescribes). Nothing is sent to the slots by
+hand: the placement warms each box on first contact. Per variant: processed /
+physical minimum (per thread, the tokens new since its previous local request),
+the returning turns whose slot served another thread in between and how many of
+them still processed no more than their minimum (restored from the host cache),
+guests and idle leases taken over; with ``--check-answers`` every local answer
+(``--answer-tokens`` greedy tokens) is also sent again alone to a server with no
+host cache and compared (``fusion_graph_testing.answers``): the divergent ones
+are counted. Run ``python -m bench.kv.crowd``; see bench/README.md.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from bench.kv.workers import PlacementKind, parse_counts, truncate_plan, worker_
 from bench.kv.workers_results import PlacedStep, summarize_workers
 from bench.traces import add_trace_arguments, explained, trace_files, write_results
 from fusion_graph.providers.slots import box_name
+from fusion_graph_testing.answers import Exchange, divergent
 
 if TYPE_CHECKING:
     from fusion_graph_testing import LlamaServer
@@ -75,6 +81,12 @@ if TYPE_CHECKING:
 
 Policy = Literal["shared", "in-process", "no-slot"]
 POLICIES: tuple[Policy, ...] = ("shared", "in-process", "no-slot")
+#: What the boxes are started with besides ``-np``: nothing, or what docs/deploying.md prescribes.
+Flags = Literal["defaults", "documented"]
+FLAG_SETS: tuple[Flags, ...] = ("defaults", "documented")
+BOX_FLAGS: dict[Flags, tuple[str, ...]] = {"defaults": (), "documented": ("--slot-prompt-similarity", "1")}
+#: Greedy tokens of each answer compared with ``--check-answers``.
+ANSWER_TOKENS = 8
 #: Conversation slots in all (over every box), unless ``--slots`` says otherwise.
 SLOTS = 8
 #: Threads as multiples of the slots.
@@ -82,8 +94,6 @@ DEFAULT_MULTIPLES = (1, 3, 10)
 #: Local steps of a thread replayed (its first ones), and how many make one turn.
 LOCAL_STEPS = 6
 STEPS_PER_TURN = 2
-#: ``--slot-prompt-similarity`` of every box unless ``--sps`` says otherwise.
-SPS = 1.0
 #: The targets (checked, not asserted): processed / minimum at 3x and 10x the slots.
 TARGETS = {3: 1.05, 10: 1.10}
 CLOUD_SHARE = 30
@@ -91,28 +101,32 @@ CLOUD_SHARE = 30
 
 @dataclass(frozen=True)
 class CrowdVariant:
-    """One point of the grid: the policy, worker processes, boxes, and threads per slot."""
+    """One point of the grid: the policy, worker processes, boxes, threads per slot, the boxes' flags."""
 
     policy: Policy
     workers: int
     boxes: int
     multiple: int
+    flags: Flags = "documented"
 
     @property
     def name(self) -> str:
-        """``shared-w2-b1-x10``."""
-        return f"{self.policy}-w{self.workers}-b{self.boxes}-x{self.multiple}"
+        """``shared-w2-b1-x10-documented``."""
+        return f"{self.policy}-w{self.workers}-b{self.boxes}-x{self.multiple}-{self.flags}"
 
 
-def build_grid(multiples: Sequence[int], policies: Sequence[Policy]) -> list[CrowdVariant]:
-    """Shared over 1 and 2 workers and boxes; in-process and no-slot on one box, one process."""
+def build_grid(
+    multiples: Sequence[int], policies: Sequence[Policy], flag_sets: Sequence[Flags] = FLAG_SETS
+) -> list[CrowdVariant]:
+    """Shared over 1 and 2 workers and boxes, the others on one box and process; for each flag set."""
     grid = []
-    for multiple in multiples:
-        for policy in policies:
-            if policy == "shared":
-                grid += [CrowdVariant(policy, w, b, multiple) for b in (1, 2) for w in (1, 2)]
-            else:
-                grid.append(CrowdVariant(policy, 1, 1, multiple))
+    for flags in flag_sets:
+        for multiple in multiples:
+            for policy in policies:
+                if policy == "shared":
+                    grid += [CrowdVariant(policy, w, b, multiple, flags) for b in (1, 2) for w in (1, 2)]
+                else:
+                    grid.append(CrowdVariant(policy, 1, 1, multiple, flags))
     return grid
 
 
@@ -126,14 +140,6 @@ def turn_order(plans: Sequence[ThreadPlan], steps_per_turn: int) -> list[tuple[i
     return [(i, k, turns[i][k]) for k in range(longest) for i in range(len(plans)) if k < len(turns[i])]
 
 
-async def warm_slots(client: httpx.AsyncClient, base_url: str, slots: int) -> None:
-    """One short request naming each slot: no later request names an empty one (that skips the cache)."""
-    for slot in range(slots):
-        body = {"prompt": "warm", "n_predict": 1, "cache_prompt": True, "id_slot": slot}
-        response = await client.post(f"{base_url}/completion", json=body)
-        response.raise_for_status()
-
-
 async def replay(
     variant: CrowdVariant,
     plans: Sequence[ThreadPlan],
@@ -142,8 +148,13 @@ async def replay(
     box_urls: Sequence[str],
     steps_per_turn: int,
     slots: int,
-) -> tuple[list[PlacedStep], float]:
-    """Every turn, round robin, ``slots`` at a time; a thread's turns in order. The steps and seconds."""
+    answer_tokens: int | None = None,
+) -> tuple[list[PlacedStep], float, list[Exchange]]:
+    """Every turn, round robin, ``slots`` at a time; a thread's turns in order.
+
+    The steps, the seconds, and (``answer_tokens``: that many greedy tokens each, with their top 3)
+    every local request with its answer.
+    """
     box_index = {box_name(url): i for i, url in enumerate(box_urls)}
     order = turn_order(plans, steps_per_turn)
     done: dict[tuple[int, int], asyncio.Event] = {(i, k): asyncio.Event() for i, k, _ in order}
@@ -151,22 +162,28 @@ async def replay(
     for item in order:
         queue.put_nowait(item)
     out: list[PlacedStep] = []
+    exchanges: list[Exchange] = []
     limits = httpx.Limits(max_connections=slots + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
-        for url in box_urls:
-            await warm_slots(client, url, slots // variant.boxes + 1)
 
         async def send(thread: str, messages: Sequence[Mapping[str, Any]], worker: int) -> dict[str, Any]:
             if variant.policy != "no-slot":
-                return await workers[worker].step(thread, messages)
-            body = {
+                reply = await workers[worker].step(thread, messages, answer_tokens=answer_tokens)
+                if answer_tokens is not None:
+                    exchanges.append(Exchange(reply["body"], reply["answer"]))
+                return reply
+            body: dict[str, Any] = {
                 "model": MODEL_ALIAS,
                 "messages": list(messages),
-                "max_tokens": MAX_TOKENS,
+                "max_tokens": answer_tokens or MAX_TOKENS,
                 "temperature": 0,
             }
+            if answer_tokens is not None:
+                body |= {"logprobs": True, "top_logprobs": 3}
             response = await client.post(f"{box_urls[0]}/v1/chat/completions", json=body)
             response.raise_for_status()
+            if answer_tokens is not None:
+                exchanges.append(Exchange(body, response.json()))
             timings = response.json()["timings"]
             return {**timings, "slot": None, "box": box_urls[0], "notes": {}, "finished": time.time()}
 
@@ -201,7 +218,13 @@ async def replay(
 
         started = time.perf_counter()
         await asyncio.gather(*(serve() for _ in range(slots)))
-    return out, time.perf_counter() - started
+    return out, time.perf_counter() - started, exchanges
+
+
+async def divergent_answers(alone_url: str, exchanges: Sequence[Exchange]) -> list[str]:
+    """Each answer that leaves the same request run alone on ``alone_url`` (no host cache), described."""
+    async with httpx.AsyncClient(base_url=alone_url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as client:
+        return await divergent(client, list(exchanges))
 
 
 def returning_turns(steps: Sequence[PlacedStep]) -> tuple[int, int]:
@@ -231,15 +254,20 @@ def run_one(
     setup: ServerSetup,
     slot_ctx: int,
     steps_per_turn: int,
-    sps: float,
     slots: int,
     cluster: PostgresCluster | None,
     home_wait_s: float | None = None,
+    alone_url: str | None = None,
+    answer_tokens: int = ANSWER_TOKENS,
 ) -> dict[str, Any]:
-    """One variant on fresh boxes, workers and database; its leaf (``home_wait_s``: the workers' setting)."""
+    """One variant on fresh boxes, workers and database; its leaf (``home_wait_s``: the workers' setting).
+
+    ``alone_url``: a server with no host cache (OpenAI base URL) to send every answer again
+    alone, counting the divergent ones (``--check-answers``).
+    """
     name = variant.name
     np = slots // variant.boxes + 1  # and the reflection slot
-    box_args = ["--slot-prompt-similarity", f"{sps:g}"]
+    box_args = list(BOX_FLAGS[variant.flags])
     with ExitStack() as stack:
         boxes: list[LlamaServer] = [
             stack.enter_context(box_server(setup, np, slot_ctx * (slots + 1), f"{name}-box{i}", box_args))
@@ -268,7 +296,7 @@ def run_one(
             for worker in workers:
                 worker.start()
         try:
-            steps, wall = asyncio.run(
+            steps, wall, exchanges = asyncio.run(
                 replay(
                     variant,
                     plans,
@@ -276,6 +304,7 @@ def run_one(
                     box_urls=urls,
                     steps_per_turn=steps_per_turn,
                     slots=slots,
+                    answer_tokens=answer_tokens if alone_url is not None else None,
                 )
             )
         except (RuntimeError, httpx.HTTPError) as error:
@@ -285,8 +314,12 @@ def run_one(
     leaf = summarize_workers(steps, variant.boxes)
     displaced, restored = returning_turns(steps)
     local = [s for s in steps if s.local]
+    if alone_url is not None:
+        bad = asyncio.run(divergent_answers(alone_url, exchanges))
+        leaf.update(answers_checked=len(exchanges), divergent_answers=len(bad), divergent_detail=bad[:20])
     leaf.update(
         policy=variant.policy,
+        flags=variant.flags,
         workers=variant.workers,
         box_count=variant.boxes,
         multiple=variant.multiple,
@@ -304,32 +337,52 @@ def run_one(
 
 
 def checks(variants: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, bool | None, str]]:
-    """Each shared variant at a multiple with a target processes at most that many times the minimum."""
+    """Each shared variant with the documented flags at a multiple with a target processes at most that
+    many times the minimum; every variant of the graph's placement whose answers were checked has none
+    divergent."""
     found = []
     for name, leaf in variants.items():
         limit = TARGETS.get(int(leaf["multiple"]))
-        if leaf["policy"] == "shared" and limit is not None:
+        documented = leaf.get("flags", "documented") == "documented"
+        if leaf["policy"] == "shared" and documented and limit is not None:
             found.append((name, *over_minimum(leaf, limit, "target")))
+        bad = leaf.get("divergent_answers")
+        if bad is not None and leaf["policy"] != "no-slot":
+            found.append((name, bad == 0, f"{bad} of {leaf['answers_checked']} answers divergent (target 0)"))
     return found
 
 
 def table(variants: Mapping[str, Mapping[str, Any]]) -> str:
-    """One row per variant, at 80 columns."""
-    header = ["policy", "w", "boxes", "threads", "proc/min", "displaced", "restored", "guests", "taken", "s"]
+    """One row per variant, at 80 columns (flags d: defaults, D: documented; bad: divergent answers)."""
+    header = [
+        "policy",
+        "flags",
+        "w",
+        "boxes",
+        "threads",
+        "proc/min",
+        "bad",
+        "displ",
+        "restored",
+        "guests",
+        "s",
+    ]
     rows = []
     for leaf in variants.values():
         ratio = leaf.get("processed_over_minimum")
+        bad = leaf.get("divergent_answers")
         rows.append(
             [
                 str(leaf["policy"]),
+                "D" if leaf.get("flags", "documented") == "documented" else "d",
                 str(leaf["workers"]),
                 f"{leaf['box_count']}x{leaf['box_slots']}",
                 f"{leaf['threads']} ({leaf['multiple']}x)",
                 f"{ratio:.3f}" if isinstance(ratio, float | int) else "-",
+                f"{bad}/{leaf['answers_checked']}" if bad is not None else "-",
                 str(leaf["displaced_returns"]),
                 str(leaf["restored_returns"]),
                 str(leaf["guest_requests"]),
-                str(leaf["idle_leases_taken"]),
                 f"{leaf['wall_s']:.0f}",
             ]
         )
@@ -342,6 +395,15 @@ def parse_policies(text: str) -> tuple[Policy, ...]:
     known: dict[str, Policy] = {p: p for p in POLICIES}
     if not names or any(name not in known for name in names):
         raise argparse.ArgumentTypeError(f"policies: {text!r}: each one of {list(POLICIES)}")
+    return tuple(dict.fromkeys(known[name] for name in names))
+
+
+def parse_flags(text: str) -> tuple[Flags, ...]:
+    """``"defaults,documented"`` -> those flag sets; an unknown name is refused."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known: dict[str, Flags] = {f: f for f in FLAG_SETS}
+    if not names or any(name not in known for name in names):
+        raise argparse.ArgumentTypeError(f"flags: {text!r}: each one of {list(FLAG_SETS)}")
     return tuple(dict.fromkeys(known[name] for name in names))
 
 
@@ -387,11 +449,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"local steps of one turn (default {STEPS_PER_TURN})",
     )
     parser.add_argument(
-        "--sps",
-        type=float,
-        default=SPS,
-        metavar="X",
-        help=f"every box's --slot-prompt-similarity (default {SPS:g}; llama-server's own: 0.1)",
+        "--flags",
+        type=parse_flags,
+        default=FLAG_SETS,
+        metavar="LIST",
+        help="what the boxes run with besides -np: any of defaults (llama-server's own), documented "
+        "(-sps 1, as docs/deploying.md prescribes) (default: both)",
+    )
+    parser.add_argument(
+        "--check-answers",
+        action="store_true",
+        help="send every local answer again alone to a server with no host cache and count the divergent",
+    )
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=ANSWER_TOKENS,
+        metavar="N",
+        help=f"with --check-answers: greedy tokens of each answer (default {ANSWER_TOKENS})",
     )
     parser.add_argument(
         "--home-wait",
@@ -419,7 +494,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize, plan and replay every variant; return the results."""
     started = time.perf_counter()
-    grid = build_grid(args.multiples, args.policies)
+    grid = build_grid(args.multiples, args.policies, args.flags)
     shared = any(v.policy == "shared" for v in grid)
     if shared:
         from fusion_graph_testing.postgres import PostgresCluster, check_os_user, find_bin_dir
@@ -440,6 +515,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if shared:
             cluster = stack.enter_context(PostgresCluster(prefix="kv-crowd-pg-"))
             versions["postgres"] = cluster.version()
+        alone_url = None
+        if args.check_answers:  # one slot, no host cache: each request alone, from an empty cache
+            alone = box_server(setup, 1, planned.slot_ctx, "alone", ["--cache-ram", "0"])
+            alone_url = stack.enter_context(alone).openai_base_url
         for variant in grid:
             plans = every[: variant.multiple * args.slots]
             leaf = run_one(
@@ -448,14 +527,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 setup=setup,
                 slot_ctx=planned.slot_ctx,
                 steps_per_turn=args.steps_per_turn,
-                sps=args.sps,
+                alone_url=alone_url,
+                answer_tokens=args.answer_tokens,
                 slots=args.slots,
                 cluster=cluster,
                 home_wait_s=args.home_wait,
             )
             results[variant.name] = leaf
             progress(
-                f"{variant.name}: processed/minimum {leaf['processed_over_minimum']}, displaced returns "
+                f"{variant.name}: processed/minimum {leaf['processed_over_minimum']}, divergent answers "
+                f"{leaf.get('divergent_answers', '-')}, displaced returns "
                 f"{leaf['displaced_returns']} restored {leaf['restored_returns']}, guests "
                 f"{leaf['guest_requests']}, idle leases taken {leaf['idle_leases_taken']}, {leaf['wall_s']} s"
             )
@@ -471,8 +552,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "turn_order": "round robin: every thread's turn k before any thread's turn k+1, "
         f"{args.slots} turns at once; thread i's turn k on worker (i + k) % N, released at its end",
         "cloud_share": args.cloud_share,
-        "box_flags": ["--slot-prompt-similarity", f"{args.sps:g}", "--cache-ram (llama-server's default)"],
-        "slot_warm_up": "one 'warm' request naming each slot of each box before the replay",
+        "box_flags": {f: [*BOX_FLAGS[f], "--cache-ram (llama-server's default)"] for f in args.flags},
+        "slot_warm_up": "none by hand: the placement warms each box's empty slots on first contact",
+        "answers": (
+            f"every local answer ({args.answer_tokens} greedy tokens, top 3) sent again alone to a "
+            "--cache-ram 0 server with cache_prompt false; divergent: at the first differing token, "
+            "the loaded token is not in the alone answer's top 3"
+            if args.check_answers
+            else None
+        ),
         "home_wait_s": args.home_wait,
         "llama_server_version": planned.llama_server_version,
         "model": f"tiny random-weight qwen2 (harness write_tiny_model), n_ctx {MODEL_N_CTX}",
@@ -498,7 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"Threads >> slots: {meta['trajectories']} SWE-agent trajectories, {meta['slots']} conversation "
         f"slots, turns of {meta['steps_per_turn']} local steps round robin; llama-server "
-        f"{meta['llama_server_version'].removeprefix('version: ')} {' '.join(meta['box_flags'][:2])}"
+        f"{meta['llama_server_version'].removeprefix('version: ')}; flags d: llama-server's defaults, "
+        "D: -sps 1"
     )
     print(table(result["variants"]))
     print("Targets (shared placement): " + ", ".join(f"{m}x <= {t:.2f}" for m, t in TARGETS.items()))

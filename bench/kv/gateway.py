@@ -9,9 +9,11 @@ one fresh pool per variant and thread count:
 
 * ``manual_min_group``: ``--policy manual --assignment-mode min_group
   --routing-key-headers x-fusion-thread``; each request carries
-  ``x-fusion-thread: routing_key(thread)``, ``id_slot`` from ``BoxSlots`` (the
-  thread's slot on the box the gateway last named) and ``cache_prompt: true``:
-  what the graph sends;
+  ``x-fusion-thread: routing_key(thread)`` and ``cache_prompt: true`` (the
+  gateway keeps a thread on one box, llama-server picks the slot). The graph
+  itself no longer goes through a gateway: it places each thread on a box and
+  slot by its lease rule and sends straight to the box (``bench.kv.crowd``
+  measures that over two boxes);
 * ``cache_aware``: ``--policy cache_aware``, ``cache_prompt: true`` only (the
   gateway picks a box by prefix, llama-server a slot by similarity);
 * ``round_robin``: ``--policy round_robin``, ``cache_prompt: true`` only.
@@ -52,7 +54,7 @@ from bench.kv.threads import (
 )
 from bench.traces import explained, trace_files, write_results
 from fusion_graph.context import DEFAULTS
-from fusion_graph.providers.slots import BoxSlots, routing_key
+from fusion_graph.providers.slots import routing_key
 
 if TYPE_CHECKING:
     from fusion_graph_testing import Gateway
@@ -111,15 +113,11 @@ class GatewayVariant:
             flags += ["--assignment-mode", "min_group", "--routing-key-headers", ROUTING_HEADER]
         return flags
 
-    def request(self, slots: BoxSlots | None, thread_id: str) -> tuple[dict[str, str], dict[str, Any]]:
+    def request(self, thread_id: str) -> tuple[dict[str, str], dict[str, Any]]:
         """Headers and extra body fields of a local step of ``thread_id``."""
         if not self.keyed:
             return {}, {"cache_prompt": True}
-        assert slots is not None
-        return {ROUTING_HEADER: routing_key(thread_id)}, {
-            "id_slot": slots.slot_for(thread_id),
-            "cache_prompt": True,
-        }
+        return {ROUTING_HEADER: routing_key(thread_id)}, {"cache_prompt": True}
 
 
 GATEWAY_VARIANTS: tuple[GatewayVariant, ...] = (
@@ -127,7 +125,7 @@ GATEWAY_VARIANTS: tuple[GatewayVariant, ...] = (
         "manual_min_group",
         "manual",
         True,
-        "manual + min_group; x-fusion-thread, id_slot from BoxSlots, cache_prompt (what the graph sends)",
+        "manual + min_group; x-fusion-thread, cache_prompt, no id_slot",
     ),
     GatewayVariant("cache_aware", "cache_aware", False, "cache_aware; cache_prompt, no header, no id_slot"),
     GatewayVariant("round_robin", "round_robin", False, "round_robin; cache_prompt, no header, no id_slot"),
@@ -166,7 +164,6 @@ class GatewayReplay:
 
     client: httpx.AsyncClient
     variant: GatewayVariant
-    slots: BoxSlots | None
     box_index: Callable[[str | None], int | None]
     steps: list[GatewayStep] = field(default_factory=list)
 
@@ -181,7 +178,7 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
         if step.leg == "cloud":
             replay.steps.append(GatewayStep(step_record(trajectory.file, step), thread, step.position, None))
             continue
-        headers, fields = replay.variant.request(replay.slots, thread)
+        headers, fields = replay.variant.request(thread)
         body = {
             "model": MODEL_ALIAS,
             "messages": list(trajectory.messages[: step.position]),
@@ -205,8 +202,6 @@ async def replay_gateway_thread(replay: GatewayReplay, plan: ThreadPlan) -> None
         box = replay.box_index(worker)
         if box is None:
             raise RuntimeError(f"{replay.variant.name}: the gateway named no known box ({worker!r})")
-        if replay.slots is not None and worker is not None:
-            replay.slots.served(thread, worker)
         record = step_record(trajectory.file, step, response.json()["timings"])
         replay.steps.append(GatewayStep(record, thread, step.position, box))
 
@@ -221,11 +216,10 @@ async def run_gateway_variant(
     box_slots: int = BOX_SLOTS,
 ) -> list[GatewayStep]:
     """Replay every thread at once through the gateway, each thread's steps in order."""
-    slots = BoxSlots(box_slots, boxes=tuple(boxes)) if variant.keyed else None
     limits = httpx.Limits(max_connections=len(plans) + 2)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
-        replay = GatewayReplay(client, variant, slots, box_index)
+        replay = GatewayReplay(client, variant, box_index)
         await asyncio.gather(*(replay_gateway_thread(replay, plan) for plan in plans))
     return replay.steps
 

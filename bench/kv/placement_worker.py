@@ -4,12 +4,14 @@
 from its ``FUSION_*`` environment (the deployment's operator settings: where the
 local leg is, the boxes behind a gateway, whether the slot table is shared in
 Postgres) and answers one JSON line per connection: ``{"op": "step", "thread",
-"messages"}`` is placed (``resolver.placement.place``), sent as a raw request
-(``max_tokens: 1``, ``temperature: 0``, the placement's ``id_slot`` +
+"messages"}`` is placed (``resolver.placement.place``) and sent inside the
+slot's turn (``Placement.hold``, as the graph's provider call does) as a raw
+request (``max_tokens: 1``, ``temperature: 0``, the placement's ``id_slot`` +
 ``cache_prompt`` and headers) to the placement's box when it names one, else to
-the local link's base URL (a gateway, or the single box); a gateway's answer
-tells the placer which box served (``placement.served``). The reply has
-llama-server's ``timings``, the slot, the box and the placement's notes.
+the local link's base URL. The reply has llama-server's ``timings``, the slot,
+the box and the placement's notes; with ``"answer_tokens": N`` the answer has N
+tokens with their top 3, and the reply has the body sent and the answer too, for
+the answers check.
 ``{"op": "release", "thread"}`` says the thread's run ended
 (``placement.release``, as the graph's run queue does).
 ``PlacementWorker`` starts one (``ManagedProcess``: stopped by its own PID) and
@@ -37,7 +39,6 @@ from bench.traces import REPO_ROOT
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.providers.slots import box_name
-from fusion_graph_testing.gateway import served_by
 from fusion_graph_testing.llama_server import HOST, free_port
 from fusion_graph_testing.process import ManagedProcess
 
@@ -61,38 +62,40 @@ async def serve(port: int) -> None:
         async def step(request: Mapping[str, Any]) -> dict[str, Any]:
             thread = str(request["thread"])
             placement = await resolver.placement.place(link, thread)
-            url = f"{placement.box}/v1" if placement.box else base_url
-            body = {
-                "model": resolver.settings.local_model,
-                "messages": request["messages"],
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                **(placement.body("local") or {}),
-            }
-            try:
-                response = await client.post(
-                    f"{url}/chat/completions", json=body, headers=dict(placement.headers or {})
-                )
-            except httpx.TimeoutException as error:
-                raise RuntimeError(
-                    f"no answer from {url} within {REQUEST_TIMEOUT_S:.0f} s (slot {placement.slot}, "
-                    f"{type(error).__name__}); a stuck llama-server?"
-                ) from error
+            async with placement.hold() as sent:  # the slot's turn, as the graph's provider call holds it
+                url = f"{sent.box}/v1" if sent.box else base_url
+                body = {
+                    "model": resolver.settings.local_model,
+                    "messages": request["messages"],
+                    "max_tokens": request.get("answer_tokens") or MAX_TOKENS,
+                    "temperature": 0,
+                    **(sent.body("local") or {}),
+                }
+                if request.get("answer_tokens"):  # for the answers check: the tokens and their top 3
+                    body |= {"logprobs": True, "top_logprobs": 3}
+                try:
+                    response = await client.post(
+                        f"{url}/chat/completions", json=body, headers=dict(sent.headers or {})
+                    )
+                except httpx.TimeoutException as error:
+                    raise RuntimeError(
+                        f"no answer from {url} within {REQUEST_TIMEOUT_S:.0f} s (slot {sent.slot}, "
+                        f"{type(error).__name__}); a stuck llama-server?"
+                    ) from error
             finished = time.time()
             if response.status_code != 200:
                 raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
-            gateway_box = served_by(response.headers)
-            if gateway_box is not None:  # behind a gateway: the placer learns the thread's box
-                await resolver.placement.served(link, thread, gateway_box)
-            timings = response.json()["timings"]
+            answer = response.json()
+            timings = answer["timings"]
             return {
                 "prompt_n": int(timings["prompt_n"]),
                 "cache_n": int(timings["cache_n"]),
                 "prompt_ms": float(timings["prompt_ms"]),
-                "slot": placement.slot,
-                "box": box_name(gateway_box or placement.box or url),
-                "notes": dict(placement.notes),
+                "slot": sent.slot,
+                "box": box_name(sent.box or url),
+                "notes": dict(sent.notes),
                 "finished": finished,
+                **({"body": body, "answer": answer} if request.get("answer_tokens") else {}),
             }
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -161,9 +164,15 @@ class PlacementWorker(ManagedProcess):
             self._failure(f"the placement worker did not listen within {WORKER_START_TIMEOUT_S:g} s")
         )
 
-    async def step(self, thread: str, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Place and send one local step of ``thread``; the reply has timings, slot and box."""
-        return await self._ask({"op": "step", "thread": thread, "messages": list(messages)})
+    async def step(
+        self, thread: str, messages: Sequence[Mapping[str, Any]], *, answer_tokens: int | None = None
+    ) -> dict[str, Any]:
+        """Place and send one local step of ``thread``; the reply has timings, slot and box.
+
+        ``answer_tokens``: that many greedy tokens with their top 3, and the body and answer returned.
+        """
+        payload = {"op": "step", "thread": thread, "messages": list(messages), "answer_tokens": answer_tokens}
+        return await self._ask(payload)
 
     async def release(self, thread: str) -> None:
         """``thread``'s run ended: the worker's placer may give its slot to a thread that needs one."""

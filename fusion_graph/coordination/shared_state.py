@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from typing import Any, NamedTuple, TypeVar
 
 from fusion_graph.coordination.slot_leases import LeaseAsk, LeaseRow, SlotClaim, choose_slot
-from fusion_graph.errors import FusionError, ProviderConfigError
+from fusion_graph.errors import FusionError, ProviderConfigError, SlotBusy
 from fusion_graph.redact import register_url_secrets, scrub
 
 logger = logging.getLogger(__name__)
@@ -284,6 +284,8 @@ class SharedState:
             return await within(op(pool), timeout_s)
         except SharedStateUnavailable:
             self.failures += 1
+            raise
+        except SlotBusy:  # the database answered: the slot is busy, nothing failed
             raise
         except Exception as error:  # noqa: BLE001 - every database failure is a fallback, never a failed turn
             self.failures += 1
@@ -782,33 +784,65 @@ class SharedState:
         with contextlib.suppress(Exception):
             await self._on_loop(within(conn.close(), self.timeout_s))
 
-    @contextlib.asynccontextmanager
-    async def slot_turn(
-        self, pool: str, box: str, slot: int, *, wait_s: float = 300.0
-    ) -> AsyncIterator[None]:
-        """Hold ``box``'s ``slot`` for one request, waiting up to ``wait_s`` for another process's request.
+    async def _turn_connection(self, key: int, wait_s: float) -> Any:
+        """A connection holding the advisory lock ``key``, waited for up to ``wait_s`` (``lock_timeout``).
 
-        llama-server defers a request whose ``id_slot`` names a slot that is still
-        busy, and with its host prompt cache on (``--cache-ram``) a deferred request
-        can leave that slot processing forever; the reflection slot is the one slot
-        several processes send to at once, so its requests take turns. When the
-        database cannot be reached or the wait runs out, the request goes ahead
-        without its turn (a warning): a memory job or a sample is never dropped
-        for want of a lock.
+        Raises:
+            SlotBusy: Another process held the lock for ``wait_s``.
         """
-        key = lock_key(f"fusion-slot:{self._pool_key(pool)}:{box}:{slot}")
+        import psycopg
+
+        conn = await psycopg.AsyncConnection.connect(
+            self.url, **connection_kwargs(self.timeout_s, statement=False)
+        )
         try:
-            held = await self._run(
-                "waiting for a slot's turn", lambda _: self._lock_connection(key, wait=True), timeout_s=wait_s
-            )
-        except SharedStateUnavailable as error:
-            logger.warning("sending to slot %s of %s without its turn: %s", slot, box, error)
-            held = None
+            timeout = f"{max(1, int(wait_s * 1000))}ms"
+            await conn.execute("SELECT set_config('lock_timeout', %s, false)", (timeout,))
+            await conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+        except psycopg.errors.LockNotAvailable:
+            await conn.close()
+            raise SlotBusy(
+                f"a slot stayed busy with another worker's request for {wait_s:g} s; this request was "
+                "not sent, since naming a busy slot can corrupt the generation running there"
+            ) from None
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    async def take_slot_turn(self, box: str, slot: int, *, wait_s: float) -> Any:
+        """Take ``box``'s ``slot`` for one request across the processes on this database; the lock's handle.
+
+        A request names a slot only while it holds the slot's turn
+        (``coordination.slot_turns`` says why). Waits up to ``wait_s`` for another
+        process's request on the slot. The lock is the box's, not the namespace's:
+        two apps sending to one llama-server take turns on its slots too. Give it
+        back with ``give_back_slot_turn`` (from any event loop).
+
+        Raises:
+            SlotBusy: The slot stayed busy for ``wait_s``.
+            SharedStateUnavailable: The database cannot take the lock: the caller
+                must not name the slot (another process may be sending to it).
+        """
+        key = lock_key(f"fusion-slot:{box}:{slot}")
+        return await self._run(
+            "waiting for a slot's turn",
+            lambda _: self._turn_connection(key, wait_s),
+            timeout_s=wait_s + self.timeout_s,
+        )
+
+    async def give_back_slot_turn(self, held: Any) -> None:
+        """Give a slot's turn back (``take_slot_turn``'s handle); never raises."""
+        await self._unlock(held)
+
+    @contextlib.asynccontextmanager
+    async def slot_turn(self, box: str, slot: int, *, wait_s: float) -> AsyncIterator[None]:
+        """Hold ``box``'s ``slot`` for one request (``take_slot_turn``), given back on the way out."""
+        held = await self.take_slot_turn(box, slot, wait_s=wait_s)
         try:
             yield
         finally:
-            if held is not None:
-                await self._unlock(held)
+            await self.give_back_slot_turn(held)
 
     @contextlib.asynccontextmanager
     async def thread_run(self, thread: str) -> AsyncIterator[bool]:

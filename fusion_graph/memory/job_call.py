@@ -172,7 +172,6 @@ async def run_job(
             max_tokens=runner.max_tokens,
             config=runner.config,
             extra={"job": job.name, "repair": attempt > 0},
-            learn_box=False,
         )
         failure: BaseException | None = None
         try:

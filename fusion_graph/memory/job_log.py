@@ -131,9 +131,13 @@ def with_status(entry: JobEntry, status: Literal["pending", "done", "folded"]) -
 def ticket_of(entry: JobEntry, ns: tuple[str, ...], *, attempt: int | None = None) -> JobTicket:
     """The ticket of a logged run (``ns``: the memories' namespace), as a re-run takes it up.
 
-    Its ``run`` is the entry's own ``TicketFields`` part (every key ``TicketFields`` declares).
+    Its ``run`` is the entry's own ``TicketFields`` part (every key ``TicketFields`` declares;
+    ``log_id`` only when the entry has one, as an entry logged before runs had one does not).
     """
-    run = cast(TicketFields, {name: entry.get(name) for name in TicketFields.__annotations__})
+    fields = {name: entry.get(name) for name in TicketFields.__annotations__ if name != "log_id"}
+    if entry.get("log_id"):
+        fields["log_id"] = entry.get("log_id")
+    run = cast(TicketFields, fields)
     return JobTicket(ns, run, entry.get("attempts", 1) if attempt is None else attempt)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired
 
 from langchain_core.messages import BaseMessage, HumanMessage
 from pydantic import BaseModel, Field
@@ -75,6 +75,11 @@ class TicketFields(TypedDict):
         covers: How many of the thread's messages (from the first) the jobs read.
         last_message_id: Id of the last message covered, to check the thread still has it.
         leg: The ``sub_runners`` leg.
+        log_id: A random id made when the run is first logged, kept by its re-runs (``None``:
+            logged before runs had one). Two apps on one shared-state database may log the
+            same thread, turn and step in their own stores; the shared claim is keyed by
+            this id too (``JobTicket.claim_key``), so one app's claim never holds back the other's
+            run, while every worker of one app reads the same entry, and so the same id.
     """
 
     thread_id: str
@@ -83,6 +88,7 @@ class TicketFields(TypedDict):
     covers: int
     last_message_id: str | None
     leg: Leg
+    log_id: NotRequired[str | None]
 
 
 @dataclass(frozen=True)
@@ -106,3 +112,16 @@ class JobTicket:
     def key(self) -> str:
         """The job log key (also the prefix of the items' keys, so a re-run overwrites them)."""
         return f"{self.run['thread_id']}:{self.run['turn']}:{self.run['step']}"
+
+    @property
+    def claim_key(self) -> str:
+        """The run's identity in the shared claims table and this process's registry of detached runs.
+
+        The job log key alone names a run within one store; two apps with stores of
+        their own (same thread id, same namespace on one database) would share it, and
+        one app's finished or live claim would leave the other's run pending forever.
+        The entry's ``log_id`` tells them apart; a run logged without one keeps the
+        job log key, as its claim was made under it.
+        """
+        log_id = self.run.get("log_id")
+        return f"{self.key}@{log_id}" if log_id else self.key

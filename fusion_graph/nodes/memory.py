@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,7 @@ class MemoryNodes:
             covers=len(messages),
             last_message_id=last.id if last is not None else None,
             leg="cloud" if context.sub_runners == "cloud" and over is None else "local",
+            log_id=uuid.uuid4().hex,  # this app's run, wherever else the thread id is logged
         )
         ticket = JobTicket(namespace_of(config, self.graph_name), covered)
         if context.memory_mode == "inline":
@@ -177,7 +179,7 @@ class MemoryNodes:
         except Exception:
             logger.exception("writing memory job %s as pending failed; running it anyway", ticket.key)
         run = self.runs.run_logged(ticket, entry, messages, context, store, owner=owner, over_budget=over)
-        task = detach(run, key=ticket.key)
+        task = detach(run, key=ticket.claim_key)
         if not loop_outlives_run():  # this run's loop stops with it: see the jobs through here
             await asyncio.wait({task}, timeout=self.runs.lease_s)
         try:

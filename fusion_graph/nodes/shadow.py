@@ -45,7 +45,9 @@ def picked(thread_id: str, turn: int, step: int, share: float) -> bool:
     """Whether this step is one of the ``share`` checked: a stable hash, the same in every process."""
     if share <= 0:
         return False
-    digest = hashlib.sha256(f"fusion-shadow\0{thread_id}\0{turn}\0{step}".encode()).digest()
+    # surrogatepass: a lone surrogate in a thread id hashes (the same bytes as before for any other id)
+    text = f"fusion-shadow\0{thread_id}\0{turn}\0{step}"
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
@@ -189,7 +191,6 @@ class ShadowChecks:
             thread_id=thread_id,
             tools=tools,
             tags=(TAG_NOSTREAM,),  # not the run's answer: kept out of its messages stream
-            learn_box=False,
         )
         bounds = Bounds(max_tokens={link.id: cap for link in cloud.links}, timeout_s=timeout_s)
         task = asyncio.ensure_future(ask(call, chain=cloud, placer=placer, bounds=bounds))

@@ -27,7 +27,6 @@ every call is made and recorded the same way:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -111,7 +110,6 @@ class Ask:
         config: The run's config (callbacks); ``None``: the one of the run this is called in, if any.
         tags: More tags for the model run (e.g. ``nostream``).
         extra: Joins the record's ``extra``.
-        learn_box: Tell the placer which box a gateway answered from (a conversation's requests).
         send: How each attempt goes out (``None``: the link's model with ``tools`` bound, ``ainvoke``).
     """
 
@@ -131,7 +129,6 @@ class Ask:
     config: RunnableConfig | None = None
     tags: Sequence[str] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
-    learn_box: bool = True
     send: Sender | None = None
 
 
@@ -172,13 +169,6 @@ def bound_model(
     bound = link.model.bind_tools(list(tools)) if tools else link.model
     _BOUND[link] = (key, bound)
     return bound
-
-
-def served_box(answer: Any) -> str | None:
-    """The box a gateway named in its answer (``ChatLlamaServer`` keeps it as ``served_by``)."""
-    metadata = getattr(answer, "response_metadata", None) or {}
-    box = metadata.get("served_by")
-    return box if isinstance(box, str) and box else None
 
 
 def request_kwargs(link: ChainLink, call: Ask, placement: Placement, bounds: Bounds) -> dict[str, Any]:
@@ -355,20 +345,34 @@ async def ask(
         planned = await placed(routed) if routed is not None else NOWHERE
         writer(decision_event(call, planned.slot))
 
+    sent: dict[str, Placement] = {}
+
     async def invoke(link: ChainLink) -> AIMessage:
-        placement = await placed(link)
-        kwargs = request_kwargs(link, call, placement, bounds)
+        while True:
+            placement = await placed(link)
+            try:
+                # The slot is named only inside its turn (no other request runs on it meanwhile).
+                async with placement.hold() as held:
+                    sent[link.id] = held
+                    kwargs = request_kwargs(link, call, held, bounds)
+                    once = _once(link, held, kwargs)
+                    return await (around(link, held, once) if around is not None else once())
+            except Exception as error:
+                if link.leg == "local" and placer.unreachable(placement, error):
+                    placements.pop(link.id, None)  # its box is down: placed again on one that answers
+                    continue
+                raise
+
+    def _once(link: ChainLink, held: Placement, kwargs: dict[str, Any]) -> Callable[[], Awaitable[AIMessage]]:
         send = call.send
 
         def once() -> Awaitable[AIMessage]:
             if send is not None:
-                return within(send(placement.model or link.model, kwargs), link, bounds.timeout_s)
-            model = bound_model(link, call.tools, placement.model)
+                return within(send(held.model or link.model, kwargs), link, bounds.timeout_s)
+            model = bound_model(link, call.tools, held.model)
             return _model_call(model, call.prompt, call_config(call, link), link, bounds.timeout_s, kwargs)
 
-        # A slot other processes send to (the reflection slot) takes one request at a time.
-        async with placement.turn() if placement.turn is not None else contextlib.nullcontext():
-            return await (around(link, placement, once) if around is not None else once())
+        return once
 
     walk = _Walk(bounds)
     try:
@@ -395,7 +399,7 @@ async def ask(
             _report(call, chain, record, None, started_ns)
         return Asked(None, record, exhausted)
     link = outcome.provider
-    placement = placements.get(link.id, NOWHERE)
+    placement = sent.get(link.id, NOWHERE)
     extra: dict[str, Any] = dict(placement.notes)
     estimate = bounds.estimates.get(link.leg)
     if estimate is not None:
@@ -404,12 +408,6 @@ async def ask(
         extra["window"] = bounds.windows[link.id]
     if link.id in bounds.max_tokens:
         extra["max_tokens"] = bounds.max_tokens[link.id]
-    box = served_box(outcome.answer)
-    if box is not None:
-        extra["box"] = box
-        moved = await placer.served(link, call.thread_id, box) if call.learn_box else None
-        if moved is not None:  # the gateway re-placed the thread: this step ran on a cold cache
-            extra["box_moved_from"] = moved
     record = answered_record(
         outcome,
         turn=call.turn,

@@ -156,6 +156,57 @@ async def fetch_props(base_url: str, *, timeout: float = 5.0) -> ServerProps:
     return ServerProps(total, _slot_window(props, total), _model_of(props))
 
 
+#: Seconds one ``GET /slots`` or warm-up request of the placement may take.
+SLOT_CALL_TIMEOUT_S = 5.0
+
+
+async def slot_states(
+    base_url: str, *, timeout: float = SLOT_CALL_TIMEOUT_S
+) -> dict[int, tuple[bool, int]] | None:
+    """``{slot: (processing, prompt tokens held)}`` from llama-server's ``GET /slots``.
+
+    ``None`` when the server does not say (``--no-slots``, not llama-server, not
+    reachable): callers then act as if they could not see the slots.
+    """
+    client = await asyncio.to_thread(httpx.AsyncClient, timeout=timeout)  # certificates load off the loop
+    try:
+        async with client:
+            response = await client.get(server_root(base_url) + "/slots")
+        rows = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(rows, list):
+        return None
+    states: dict[int, tuple[bool, int]] = {}
+    for row in rows:
+        if isinstance(row, dict) and isinstance(row.get("id"), int):
+            held = row.get("n_prompt_tokens")
+            states[row["id"]] = (bool(row.get("is_processing")), held if isinstance(held, int) else 0)
+    return states
+
+
+#: The prompt of a slot's warm-up request (``warm_slot``): any short text.
+WARM_PROMPT = "warm"
+
+
+async def warm_slot(base_url: str, slot: int, *, timeout: float = SLOT_CALL_TIMEOUT_S) -> bool:
+    """One one-token completion naming ``slot``, so the slot holds a prompt; whether it answered.
+
+    llama-server consults its host prompt cache for a request naming a slot only
+    when that slot holds a prompt (an empty one makes the similarity check 0/0):
+    a returning thread whose slot was never used would prefill its whole prefix
+    though the cache has it. The caller holds the slot's turn.
+    """
+    body = {"prompt": WARM_PROMPT, "n_predict": 1, "cache_prompt": True, "id_slot": slot}
+    client = await asyncio.to_thread(httpx.AsyncClient, timeout=timeout)
+    try:
+        async with client:
+            response = await client.post(server_root(base_url) + "/completion", json=body)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
 async def fetch_total_slots(base_url: str, *, timeout: float = 5.0) -> int:
     """Ask llama-server how many slots it runs (``GET /props`` -> ``total_slots``).
 

@@ -18,7 +18,7 @@ from fusion_graph.errors import ProviderConfigError
 from fusion_graph.providers.http import loop_safe_client
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
-from fusion_graph.redact import register_secret
+from fusion_graph.redact import register_model_secrets, register_secret
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 
@@ -49,6 +49,21 @@ def model_name(model: BaseChatModel) -> str:
         if isinstance(value, str) and value:
             return value
     return type(model).__name__
+
+
+def register_cloud_key(settings: FusionSettings, cloud: object | None = None) -> None:
+    """Register the operator's cloud key (and an injected cloud model's) for scrubbing, now.
+
+    Called when a graph reads its settings (``ProviderResolver``), not when the
+    cloud model is first built: a run that never builds it (``mode="local"``, a
+    cloud leg down) may still meet the key, in a workspace file ``read_file``
+    returns, and the tool message, the next local request and the checkpoint
+    must not carry it.
+    """
+    secret = settings.api_key()
+    register_secret(secret.get_secret_value() if secret is not None else None)
+    if cloud is not None:
+        register_model_secrets(cloud)
 
 
 def build_cloud_model(settings: FusionSettings) -> BaseChatModel:

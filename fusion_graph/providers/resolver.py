@@ -29,10 +29,16 @@ from fusion_graph.providers.discovery import LocalServers
 from fusion_graph.providers.health import HealthPolicy
 from fusion_graph.providers.links import ChainLink, close_chat_model
 from fusion_graph.providers.llama_server import ServerProps
-from fusion_graph.providers.models import Provider, build_cloud_model, build_local_model, model_name
-from fusion_graph.providers.placement import InProcessPlacement, LeasedPlacement, Placer
+from fusion_graph.providers.models import (
+    Provider,
+    build_cloud_model,
+    build_local_model,
+    model_name,
+    register_cloud_key,
+)
+from fusion_graph.providers.placement import LeasedPlacement, Placer, ServerSlots
 from fusion_graph.providers.pricing import Pricing, TokenPrices, check_price_like, pricing_for
-from fusion_graph.providers.slots import BoxSlots, SlotPool
+from fusion_graph.providers.slots import SlotPool
 from fusion_graph.routing.budget import CloudBudget, cloud_budget
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
@@ -95,6 +101,9 @@ class ProviderResolver:
         if chain is not None and (cloud is not None or local is not None):
             raise UsageError("pass either a provider chain or cloud/local models, not both")
         self.settings = settings if settings is not None else FusionSettings()
+        # Scrubbed from now, not from when the cloud leg is first built: a local-only first run
+        # may meet the key in a workspace file before any cloud model exists.
+        register_cloud_key(self.settings, cloud)
         telemetry.configure(self.settings)  # metrics and traces, when the operator turned them on
         self._fixed_chain = chain
         self._injected: dict[Leg, BaseChatModel | None] = {"cloud": cloud, "local": local}
@@ -108,15 +117,15 @@ class ProviderResolver:
         self._closed = False
         #: What the local servers say about themselves (slots, windows).
         self.servers = LocalServers(self.settings, injected_local=local is not None)
-        #: This process's slot table; the fallback of a shared placement.
-        self.local_slots = InProcessPlacement(self.settings, self.servers.props, gateway=self.servers.gateway)
-        #: Where every local request goes (``Placer``): leases by one rule (``slot_leases.choose_slot``),
-        #: in this process's table, or the deployment's when shared; behind a gateway without shared
-        #: state, the gateway's box and this process's per-box slot table.
-        self.placement: Placer = (
-            self.local_slots
-            if self.servers.gateway
-            else LeasedPlacement(LocalLeases(), self.local_slots, boxes=(), box_model=None)
+        #: How many slots the local servers have, and the headers their requests carry.
+        self.local_slots = ServerSlots(self.settings, self.servers.props)
+        boxes = self.settings.local_workers if self.servers.gateway else ()
+        box_model = self._box_model if boxes else None
+        #: Where every local request goes (``Placer``): leases by one rule (``slot_leases.choose_slot``)
+        #: and slot turns, in this process's table, or the deployment's when shared; over several
+        #: boxes, straight to the box the lease names.
+        self.placement: Placer = LeasedPlacement(
+            LocalLeases(), self.local_slots, boxes=boxes, box_model=box_model
         )
         #: What the deployment's worker processes share (``shared_state="postgres"``), else ``None``.
         self.shared: SharedState | None = None
@@ -140,10 +149,7 @@ class ProviderResolver:
                 timeout_s=self.settings.shared_state_timeout_s,
             )
             telemetry.watch_shared(self.shared)
-            boxes = self.settings.local_workers if self.servers.gateway else ()
-            self.placement = LeasedPlacement(
-                self.shared, self.local_slots, boxes=boxes, box_model=self._box_model if boxes else None
-            )
+            self.placement = LeasedPlacement(self.shared, self.local_slots, boxes=boxes, box_model=box_model)
             if chain is not None:
                 chain.share_health(self.shared)
 
@@ -275,10 +281,8 @@ class ProviderResolver:
         """Where a local link's prompts are counted (``LocalServers.count_url``)."""
         return self.servers.count_url(link)
 
-    async def slot_pool(
-        self, link: ChainLink, context: FusionContext | None = None
-    ) -> SlotPool | BoxSlots | None:
-        """The slot pool of a local llama-server link in this process (``InProcessPlacement.pool``)."""
+    async def slot_pool(self, link: ChainLink, context: FusionContext | None = None) -> SlotPool | None:
+        """The slots of a local llama-server link (``ServerSlots.pool``)."""
         return await self.local_slots.pool(link)
 
     async def _box_model(self, box: str) -> BaseChatModel:

@@ -336,7 +336,6 @@ class SamplingCallback:
             kwargs=kwargs,
             tags=(TAG_NOSTREAM,),  # not a step of the run: kept out of its messages stream
             extra=extra,
-            learn_box=False,
         )
         timeout_s = self.resolver.settings.request_timeout
         try:

@@ -120,6 +120,15 @@ def is_step(record: Mapping[str, Any]) -> bool:
     return record["kind"] not in SIDE_KINDS
 
 
+def unanswered(record: Mapping[str, Any]) -> bool:
+    """Whether every provider failed this inference: attempts, and no answer.
+
+    Such a step is tried again (a resume, or the thread's next run retrying the
+    turn), so it is no step of its own; a replayed step has neither attempts nor a provider.
+    """
+    return record["provider"] is None and bool(record["attempts"])
+
+
 def kept_local_by_budget(record: Mapping[str, Any]) -> bool:
     """Whether a cloud budget moved this inference local (the record's own field)."""
     return bool(record.get("kept_local_by_budget"))
@@ -135,19 +144,20 @@ def in_all_cloud_baseline(record: RouteRecord) -> bool:
 
 
 def placement_of(record: RouteRecord) -> str | None:
-    """How a local inference was placed: ``shared`` (a lease), ``guest``, ``in_process`` or its fallback.
+    """How a local inference was placed: ``shared`` (a lease), ``guest``, ``in_process`` or ``unplaced``.
 
-    ``None`` for a cloud inference or one no provider answered.
+    ``unplaced``: the deployment's database could not give a slot's turn, so the
+    request named no slot. ``None`` for a cloud inference or one no provider answered.
     """
     if record["leg"] != "local" or record["provider"] is None:
         return None
     extra = record["extra"]
+    placed = str(extra.get("placement", ""))
+    if placed.startswith("unplaced"):
+        return "unplaced"
     if extra.get("guest"):
         return "guest"
-    placed = str(extra.get("placement", ""))
-    if placed == "shared":
-        return "shared"
-    return "in_process_fallback" if placed.startswith("in-process") else "in_process"
+    return "shared" if placed == "shared" else "in_process"
 
 
 def money(value: float | None) -> str:

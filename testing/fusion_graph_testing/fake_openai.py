@@ -70,6 +70,14 @@ class FakeOpenAI:
         """The headers of each request in ``requests`` (names lower-cased)."""
         self.props: dict[str, Any] | None = None
         """What ``GET /props`` answers (as llama-server would); ``None``: 404."""
+        self.completions: list[dict[str, Any]] = []
+        """Bodies of llama-server's own ``POST /completion`` (slot warm-ups), kept out of ``requests``."""
+        self._slot_prompts: dict[int, int] = {}
+        self._in_flight: list[int | None] = []
+        self.slot_overlaps = 0
+        """Requests that arrived naming a slot another request in flight named (llama-server's hazard)."""
+        self.unnamed_beside_named = 0
+        """Requests that arrived while a named and an unnamed request were both in flight."""
         self._replies = replies
         self._script_start = 0
         self._lock = threading.Lock()
@@ -90,8 +98,43 @@ class FakeOpenAI:
             self._replies = replies
             self._script_start = len(self.requests)
 
+    def slots(self) -> list[dict[str, Any]]:
+        """What ``GET /slots`` answers while ``props`` is set: each slot, busy or not, and its prompt.
+
+        A slot is busy while a request naming it is answered (a held or delayed
+        reply: the server still generating).
+        """
+        total = int((self.props or {}).get("total_slots") or 0)
+        with self._lock:
+            return [
+                {
+                    "id": i,
+                    "is_processing": i in self._in_flight,
+                    "n_prompt_tokens": self._slot_prompts.get(i, 0),
+                }
+                for i in range(total)
+            ]
+
+    def _arrived(self, slot: int | None) -> None:
+        """Count the hazards a request meets on arrival (see ``slot_overlaps``), then note it in flight."""
+        with self._lock:
+            if slot is not None and slot in self._in_flight:
+                self.slot_overlaps += 1
+            self._in_flight.append(slot)
+            named = any(s is not None for s in self._in_flight)
+            if named and None in self._in_flight:
+                self.unnamed_beside_named += 1
+
+    def _held(self, body: dict[str, Any]) -> None:
+        slot = body.get("id_slot")
+        if isinstance(slot, int):
+            self._slot_prompts[slot] = max(
+                1, len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
+            )
+
     def _next(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
         with self._lock:
+            self._held(body)
             self.requests.append(body)
             self.request_headers.append({k.lower(): v for k, v in (headers or {}).items()})
             if callable(self._replies):
@@ -116,12 +159,36 @@ class FakeOpenAI:
                     self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
                 elif self.path.rstrip("/") == "/props" and fake.props is not None:
                     self._json(200, fake.props)
+                elif self.path.rstrip("/") == "/slots" and fake.props is not None:
+                    self._send(200, json.dumps(fake.slots()).encode(), "application/json", {})
                 else:
                     self._json(404, {"error": {"message": "not found"}})
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
+                path = self.path.rstrip("/")
+                if not (path.endswith("/chat/completions") or path == "/completion"):
+                    self._answer(body)  # a prompt count or a template: no slot generates for it
+                    return
+                slot = body.get("id_slot") if isinstance(body.get("id_slot"), int) else None
+                fake._arrived(slot)
+                try:
+                    self._answer(body)
+                finally:
+                    with fake._lock:
+                        fake._in_flight.remove(slot)
+
+            def _answer(self, body: dict[str, Any]) -> None:
+                if self.path.rstrip("/") == "/completion":  # llama-server's own endpoint (a slot warm-up)
+                    if fake.props is None:
+                        self._json(404, {"error": {"message": "not found"}})
+                        return
+                    with fake._lock:
+                        fake._held(body)
+                        fake.completions.append(body)
+                    self._json(200, {"content": "", "id_slot": body.get("id_slot"), "stop": True})
+                    return
                 reply = fake._next(body, dict(self.headers.items()))
                 if reply.hold is not None:
                     reply.hold.wait(HOLD_LIMIT_S)  # outside the fake's lock: other requests go on

@@ -200,7 +200,7 @@ async def test_turns_on_two_workers_complete_while_the_shared_state_database_sta
         proxy.stop()
         _database(postgres_url, name, create=False)
     assert placements[0] == "shared" and placements[3] == "shared", placements
-    assert all(p.startswith("in-process: the shared state's Postgres") for p in placements[1:3]), placements
+    assert all(p.startswith("unplaced: the shared state's Postgres") for p in placements[1:3]), placements
     assert_unique_ids(state["values"])
     assert [m["type"] for m in state["values"]["messages"]].count("human") == 4  # every turn answered, once
 

@@ -14,6 +14,7 @@ import pytest
 
 from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
 from fusion_graph.coordination.slot_leases import LeaseAsk
+from fusion_graph.errors import SlotBusy
 
 BOXES = ("http://box-a:8080", "http://box-b:8080")
 
@@ -137,7 +138,7 @@ async def test_requests_on_one_shared_slot_take_turns_across_workers(
     order: list[str] = []
 
     async def job(state: SharedState, name: str, hold: float) -> None:
-        async with state.slot_turn("gw", "http://box-a:8080", 8):
+        async with state.slot_turn("http://box-a:8080", 8, wait_s=10):
             order.append(f"{name} in")
             await asyncio.sleep(hold)
             order.append(f"{name} out")
@@ -147,7 +148,24 @@ async def test_requests_on_one_shared_slot_take_turns_across_workers(
     await asyncio.gather(first, job(b, "b", 0.0))
     assert order == ["a in", "a out", "b in", "b out"]  # b waited for a's request to end
     # Another slot, or the same slot of another box, is not held up.
-    async with b.slot_turn("gw", "http://box-a:8080", 7), a.slot_turn("gw", "http://box-b:8080", 8):
+    async with (
+        b.slot_turn("http://box-a:8080", 7, wait_s=0.5),
+        a.slot_turn("http://box-b:8080", 8, wait_s=0.5),
+    ):
+        pass
+
+
+async def test_a_slot_held_past_the_wait_is_refused_as_busy_not_as_a_database_failure(
+    pair: tuple[SharedState, SharedState],
+) -> None:
+    a, b = pair
+    async with a.slot_turn("http://box-a:8080", 3, wait_s=5):
+        with pytest.raises(SlotBusy, match="stayed busy"):
+            async with b.slot_turn("http://box-a:8080", 3, wait_s=0.3):
+                pass
+        # The database answered all along: placement is still shared, not fallen back.
+        assert await b.claim_slot(LeaseAsk("busy", ("http://box-a:8080",), 2, "t", 60.0, preferred=0))
+    async with b.slot_turn("http://box-a:8080", 3, wait_s=0.5):  # given back: free again
         pass
 
 

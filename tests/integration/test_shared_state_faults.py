@@ -140,8 +140,11 @@ async def every_operation_fails_cleanly(state: SharedState) -> list[float]:
             pass
     took.append(time.monotonic() - began)
     began = time.monotonic()
-    async with state.slot_turn("p", BOX[0], 3, wait_s=TIMEOUT_S):  # goes ahead without its turn
-        pass
+    with pytest.raises(SharedStateUnavailable):  # no turn: the placement then names no slot
+        async with state.slot_turn(BOX[0], 3, wait_s=TIMEOUT_S):
+            pass
+    took.append(time.monotonic() - began)
+    began = time.monotonic()
     await state.publish_cooldown(
         "cloud:m", time.time() + 30, "503"
     )  # never raises: the board is this process's
@@ -403,5 +406,73 @@ async def test_local_turns_on_llama_server_fall_back_while_the_database_is_down_
         await graph.memory_runs.resolver.aclose()
     print(f"\nplacements: {placements}")
     assert placements[0] == "shared" and placements[3] == "shared"
-    assert placements[1].startswith("in-process: the shared state's Postgres")
-    assert placements[2].startswith("in-process: the shared state's Postgres")
+    # No turn across processes while it is down: the step names no slot (llama-server places it).
+    assert placements[1].startswith("unplaced: the shared state's Postgres")
+    assert placements[2].startswith("unplaced: the shared state's Postgres")
+
+
+@pytest.mark.parametrize("mode", ["ainvoke", "messages"])
+async def test_two_workers_never_name_one_slot_at_once_while_the_database_stops_and_comes_back(
+    database: str, cluster: PostgresCluster, mode: Mode
+) -> None:
+    """Several threads a slot over two workers; the database stops mid-run, then comes back.
+
+    A fake llama-server counts every request that arrives naming a slot another request in flight
+    named (what corrupts a generation on the real server): none, before, during or after.
+    """
+    from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+
+    with (
+        FakeOpenAI([Reply(content="cloud")]) as cloud,
+        FakeOpenAI([Reply(content="local", delay=0.05)]) as local,
+    ):
+        local.props = {
+            "total_slots": 3,
+            "default_generation_settings": {"n_ctx": 4096},
+        }  # 2 conversation slots
+        settings = FusionSettings(
+            shared_state="postgres",
+            shared_state_url=database,
+            shared_state_timeout_s=TIMEOUT_S,
+            local_base_url=local.base_url,
+            cloud_base_url=cloud.base_url,
+            cloud_api_key="sk-test",
+        )
+        workers = [build_graph(tools=[], settings=settings, checkpointer=InMemorySaver()) for _ in range(2)]
+        context = FusionContext(mode="local", max_completion_tokens=16, sub_runners="off")
+        placements: list[str] = []
+
+        async def turn(worker: int, thread: str, text: str) -> None:
+            graph = workers[worker]
+            config: RunnableConfig = {"configurable": {"thread_id": thread}}
+            if mode == "ainvoke":
+                out = await graph.ainvoke(user_input(text), config, context=context)
+            else:
+                async for _ in graph.astream(
+                    user_input(text), config, context=context, stream_mode="messages"
+                ):
+                    pass
+                out = (await graph.aget_state(config)).values
+            record = [r for r in out["route_log"] if r["kind"] == "plan"][-1]
+            assert record["leg"] == "local", record
+            placements.append(str(record["extra"].get("placement")))
+
+        async def round_of_turns(label: str) -> None:
+            await asyncio.gather(*(turn(i % 2, f"crowd-{i}", f"{label} {i}") for i in range(6)))
+
+        try:
+            await round_of_turns("before")
+            cluster.halt()
+            await round_of_turns("during")
+            cluster.resume()
+            await asyncio.sleep(BACK_WITHIN_S)
+            await round_of_turns("after")
+        finally:
+            for graph in workers:
+                await graph.memory_runs.resolver.aclose()
+    assert local.slot_overlaps == 0
+    assert cloud.requests == []
+    assert placements[:6] == ["shared"] * 6 and placements[-6:] == ["shared"] * 6
+    assert all(p.startswith("unplaced: ") for p in placements[6:12]), placements
+    unnamed = [body for body in local.requests if "model" in body and "id_slot" not in body]
+    assert len(unnamed) == 6  # the turns during the outage named no slot; every other one did

@@ -58,7 +58,7 @@ def graph_over(
         tools=[lookup],
         checkpointer=saver if saver is not None else InMemorySaver(),
         store=store,
-        settings=FusionSettings(price_overrides=PRICES, local_slots=2, **settings),
+        settings=FusionSettings(**{"price_overrides": PRICES, "local_slots": 2, **settings}),
     )
 
 

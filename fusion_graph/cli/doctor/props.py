@@ -256,12 +256,24 @@ def cache_checks(raw: Mapping[str, Any]) -> list[Check]:
             if unified
             else Check("kv cache", "ok", "one KV cache per slot (kv_unified false)")
         )
+    if raw.get("endpoint_slots") is False:
+        checks.append(
+            Check(
+                "slots endpoint",
+                "warn",
+                "GET /slots is off (--no-slots): the graph cannot see whether a slot is still busy after a "
+                "failed request (it then keeps the slot's turn 2 s blind) nor which slots are empty to warm",
+                "start llama-server without --no-slots",
+            )
+        )
     checks.append(
         Check(
             "not in /props",
             "info",
             "/props does not say " + ", ".join(unsaid) + ": not checked",
-            "start it with an explicit -np N (one KV cache per slot; auto -np shares one)",
+            "start it with an explicit -np N (one KV cache per slot; auto -np shares one); for many more "
+            "threads than slots, -sps 1 and a --cache-ram that holds the threads' prefixes "
+            "(docs/deploying.md); the graph warms empty slots itself",
         )
     )
     return checks

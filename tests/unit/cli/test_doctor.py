@@ -279,6 +279,17 @@ def test_kv_unified_checked_only_when_props_say_it() -> None:
     assert "kv cache" not in by_name(cache_checks({}))
 
 
+def test_the_flags_props_cannot_show_are_named_with_the_crowd_fix_and_a_hidden_slots_endpoint_warned() -> (
+    None
+):
+    unsaid = by_name(cache_checks({}))["not in /props"]
+    assert "--slot-prompt-similarity" in unsaid.detail and "--cache-ram" in unsaid.detail
+    assert "-sps 1" in unsaid.fix and "warms empty slots itself" in unsaid.fix
+    hidden = by_name(cache_checks({"endpoint_slots": False}))["slots endpoint"]
+    assert hidden.status == "warn" and "--no-slots" in hidden.fix
+    assert "slots endpoint" not in by_name(cache_checks({"endpoint_slots": True}))
+
+
 # --------------------------------------------------------------------------- workspace
 
 

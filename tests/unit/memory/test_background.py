@@ -271,3 +271,26 @@ def test_a_ticket_is_taken_back_whole_from_its_job_log_entry() -> None:
     assert ticket_of(entry, NS) == ticket
     assert ticket_of(entry, NS, attempt=4) == JobTicket(NS, run, attempt=4)
     assert ticket.key == "t1:2:7"
+
+
+def test_a_run_logged_with_an_id_is_claimed_by_it_and_its_re_runs_keep_it() -> None:
+    from fusion_graph.memory.job_log import ticket_of
+
+    # Two apps' runs of one thread, turn and step: one job log key, two claims.
+    ours = JobTicket(
+        NS,
+        TicketFields(
+            thread_id="t1", turn=2, step=7, covers=12, last_message_id=None, leg="local", log_id="a1"
+        ),
+    )
+    theirs = JobTicket(NS, {**ours.run, "log_id": "b2"})
+    assert ours.key == theirs.key == "t1:2:7"
+    assert ours.claim_key != theirs.claim_key
+    # A re-run takes the id back from the entry, so every worker of one app claims the same row.
+    entry = pending_entry(ours, memory.DEFAULT_JOBS, lease_s=5.0)
+    assert ticket_of(entry, NS, attempt=2).claim_key == ours.claim_key
+    # A run logged before runs had an id keeps the claim it was made under: its job log key.
+    old = JobTicket(
+        NS, TicketFields(thread_id="t1", turn=2, step=7, covers=12, last_message_id=None, leg="local")
+    )
+    assert ticket_of(pending_entry(old, memory.DEFAULT_JOBS, lease_s=5.0), NS).claim_key == "t1:2:7"

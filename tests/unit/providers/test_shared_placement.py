@@ -11,14 +11,14 @@ import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 
-from fusion_graph.coordination.shared_state import SharedState
+from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
 from fusion_graph.coordination.slot_leases import LeaseRow, LocalLeases, choose_slot
 from fusion_graph.providers.ask import Ask, ask
 from fusion_graph.providers.chain import ProviderChain, board_key
 from fusion_graph.providers.health import HealthPolicy
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
-from fusion_graph.providers.placement import NOWHERE, InProcessPlacement, LeasedPlacement, Placement
+from fusion_graph.providers.placement import NOWHERE, LeasedPlacement, Placement, ServerSlots
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.routing.records import StepKind
 from fusion_graph.routing.score import RouteDecision
@@ -60,27 +60,29 @@ def test_when_every_slot_is_held_a_thread_borrows_the_least_recently_used_one_wi
     assert claim.guest and (claim.box, claim.slot) == ("http://a", 0)
 
 
-async def test_an_unreachable_shared_state_places_in_this_process_and_says_so() -> None:
+async def test_an_unreachable_shared_state_places_on_no_slot_and_says_so() -> None:
+    """Without the database no turn can be had across processes: the request names no slot at all."""
     settings = FusionSettings(local_slots=4, local_base_url="http://127.0.0.1:9/v1")
     link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
 
     async def no_props(link: ChainLink) -> Any:
         return None
 
-    fallback = InProcessPlacement(settings, no_props, gateway=False)
     state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
-    placer = LeasedPlacement(state, fallback, boxes=(), box_model=None)
+    placer = LeasedPlacement(state, ServerSlots(settings, no_props), boxes=(), box_model=None)
     try:
         placed = await placer.place(link, "thread-1")
+        async with placed.hold() as sent:
+            assert sent.slot is None and sent.body("local") is None
+            # While it runs, this process names no slot for anyone (it may be on any idle slot).
+            other = await placer.place(link, "thread-2")
+            assert other.slot is None
+            assert "still running" in str(other.notes["placement"])
     finally:
         await state.aclose()
-    # The same rule on this process's own table (an empty one: the thread's preferred slot).
-    expected = await LeasedPlacement(LocalLeases(), fallback, boxes=(), box_model=None).place(
-        link, "thread-1"
-    )
-    assert placed.slot == expected.slot is not None
+    assert placed.slot is None
     assert str(placed.notes["placement"]).startswith(
-        "in-process: the shared state's Postgres cannot be reached"
+        "unplaced: the shared state's Postgres cannot be reached"
     )
 
 
@@ -167,18 +169,18 @@ class TurnPlacer:
         self.events: list[str] = []
 
     @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
+    async def turn(self, placement: Placement) -> AsyncIterator[Placement]:
         self.events.append("turn taken")
         try:
-            yield
+            yield placement
         finally:
             self.events.append("turn given back")
 
     async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
         return Placement(slot=3, turn=self.turn) if link.leg == "local" else NOWHERE
 
-    async def served(self, link: ChainLink, thread_id: str, box: str) -> str | None:
-        return None
+    def unreachable(self, placement: Placement, error: BaseException) -> bool:
+        return False
 
     async def release(self, thread_id: str) -> None:
         return None
@@ -194,7 +196,7 @@ class Noting(GenericFakeChatModel):
         return await super()._agenerate(*args, **kwargs)
 
 
-@pytest.mark.parametrize("kind", ["sample", "memory"])
+@pytest.mark.parametrize("kind", ["sample", "memory", "local"])
 async def test_every_request_to_a_slot_that_takes_turns_is_sent_inside_its_turn(kind: StepKind) -> None:
     placer = TurnPlacer()
     model = Noting(messages=iter([AIMessage("ok")]), placer=placer)
@@ -208,18 +210,15 @@ async def test_every_request_to_a_slot_that_takes_turns_is_sent_inside_its_turn(
     assert placer.events == ["turn taken", "model called", "turn given back"]
 
 
-async def test_a_shared_slot_s_turn_is_skipped_not_failed_when_the_database_is_down(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+async def test_a_shared_slot_s_turn_is_refused_when_the_database_is_down() -> None:
+    """No turn across processes without the database: the caller must not name the slot."""
     state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
-    ran = False
     try:
-        async with state.slot_turn("pool", "http://a", 3):
-            ran = True
+        with pytest.raises(SharedStateUnavailable):
+            async with state.slot_turn("http://a", 3, wait_s=1):
+                pass
     finally:
         await state.aclose()
-    assert ran
-    assert any("without its turn" in r.getMessage() for r in caplog.records)
 
 
 def test_when_every_slot_is_held_the_least_recently_used_idle_lease_goes_to_the_thread_that_needs_it() -> (
@@ -269,13 +268,12 @@ async def test_in_this_process_a_running_threads_slot_is_never_taken_and_an_idle
     async def no_props(link: ChainLink) -> Any:
         return None
 
-    placer = LeasedPlacement(
-        LocalLeases(), InProcessPlacement(settings, no_props, gateway=False), boxes=(), box_model=None
-    )
+    placer = LeasedPlacement(LocalLeases(), ServerSlots(settings, no_props), boxes=(), box_model=None)
     one, two = await placer.place(link, "t1"), await placer.place(link, "t2")
     assert {one.slot, two.slot} == {0, 1}
-    third = await placer.place(link, "t3")  # both threads are running: a guest names no slot
-    assert third.slot is None and third.notes["guest"]
+    # Both threads are running: a guest names the least recently used slot, inside that slot's turn.
+    third = await placer.place(link, "t3")
+    assert third.slot == one.slot and third.notes["guest"] and third.turn is not None
     await placer.release("t1")
     await placer.release("t3")
     third = await placer.place(link, "t3")
@@ -283,4 +281,5 @@ async def test_in_this_process_a_running_threads_slot_is_never_taken_and_an_idle
     again = await placer.place(link, "t3")  # the takeover is news once; the lease is simply used after
     assert again.slot == one.slot and "took_idle_slot" not in again.notes
     assert (await placer.place(link, "t2")).slot == two.slot  # a running thread keeps its slot
-    assert (await placer.place(link, "t1")).slot is None  # t1 comes back while both run: a guest
+    back = await placer.place(link, "t1")  # t1 comes back while both run: a guest on a named slot
+    assert back.notes["guest"] and back.slot in {0, 1}

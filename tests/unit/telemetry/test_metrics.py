@@ -136,7 +136,8 @@ def test_bands_and_placements_name_what_the_dashboard_groups_by() -> None:
     assert placement_of(local()) == "in_process"
     assert placement_of(local(placement="shared")) == "shared"
     assert placement_of(local(guest=True)) == "guest"
-    assert placement_of(local(placement="in-process: database down")) == "in_process_fallback"
+    assert placement_of(local(placement="unplaced: database down")) == "unplaced"
+    assert placement_of(local(placement="unplaced: database down", guest=True)) == "unplaced"
     cloud = local()
     cloud["leg"] = "cloud"
     assert placement_of(cloud) is None

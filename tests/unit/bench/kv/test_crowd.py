@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from bench.kv.crowd import (
+    BOX_FLAGS,
     CrowdVariant,
     build_grid,
     checks,
     parse_args,
+    parse_flags,
     parse_policies,
     returning_turns,
     table,
@@ -35,18 +37,23 @@ def test_turns_go_round_robin_and_skip_cloud_steps() -> None:
 
 
 def test_the_grid_runs_shared_everywhere_and_the_baselines_on_one_box() -> None:
-    grid = build_grid([3], ("shared", "in-process", "no-slot"))
+    grid = build_grid([3], ("shared", "in-process", "no-slot"), ("documented",))
     assert [v.name for v in grid] == [
-        "shared-w1-b1-x3",
-        "shared-w2-b1-x3",
-        "shared-w1-b2-x3",
-        "shared-w2-b2-x3",
-        "in-process-w1-b1-x3",
-        "no-slot-w1-b1-x3",
+        "shared-w1-b1-x3-documented",
+        "shared-w2-b1-x3-documented",
+        "shared-w1-b2-x3-documented",
+        "shared-w2-b2-x3-documented",
+        "in-process-w1-b1-x3-documented",
+        "no-slot-w1-b1-x3-documented",
     ]
-    assert CrowdVariant("shared", 2, 1, 10).name == "shared-w2-b1-x10"
+    both = build_grid([3], ("no-slot",))  # llama-server's own flags, then the documented ones
+    assert [v.name for v in both] == ["no-slot-w1-b1-x3-defaults", "no-slot-w1-b1-x3-documented"]
+    assert BOX_FLAGS["defaults"] == () and "--slot-prompt-similarity" in BOX_FLAGS["documented"]
+    assert CrowdVariant("shared", 2, 1, 10, "defaults").name == "shared-w2-b1-x10-defaults"
     with pytest.raises(Exception, match="policies"):
         parse_policies("shared,lru")
+    with pytest.raises(Exception, match="flags"):
+        parse_flags("documented,tuned")
 
 
 def step(thread: str, slot: int | None, finished: float, *, prompt_n: int, minimum: int = 10) -> PlacedStep:
@@ -90,7 +97,12 @@ def test_checks_judge_shared_rows_at_3x_and_10x_and_the_table_fits_80_columns() 
     over = {**leaf, "multiple": 3, "processed_over_minimum": 1.08, "processed_tokens": 108}
     found = checks({"a": leaf, "b": baseline, "c": over})
     assert [(name, holds) for name, holds, _ in found] == [("a", True), ("c", False)]
-    assert all(len(line) <= 80 for line in table({"a": leaf, "b": baseline}).splitlines())
+    # llama-server's own flags carry no prefill target; divergent answers fail any placement of the graph.
+    loose = {**over, "flags": "defaults", "answers_checked": 48, "divergent_answers": 2}
+    assert [(name, holds) for name, holds, _ in checks({"d": loose})] == [("d", False)]
+    clean = {**loose, "divergent_answers": 0}
+    assert [(name, holds) for name, holds, _ in checks({"e": clean})] == [("e", True)]
+    assert all(len(line) <= 80 for line in table({"a": leaf, "b": baseline, "d": loose}).splitlines())
 
 
 def test_the_arguments_refuse_what_cannot_run() -> None:

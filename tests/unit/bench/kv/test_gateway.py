@@ -22,7 +22,7 @@ from bench.kv.results import StepRecord
 from bench.kv.reuse import parse_args
 from bench.kv.threads import gateway_threads, mark_copy
 from bench.traces import Trajectory
-from fusion_graph.providers.slots import BoxSlots, routing_key
+from fusion_graph.providers.slots import routing_key
 
 MESSAGES: tuple[dict[str, Any], ...] = (
     {"role": "system", "content": "You are an agent."},
@@ -58,7 +58,7 @@ def test_choose_variants_keeps_order_and_rejects_unknown_names() -> None:
         choose_variants(" , ")
 
 
-def test_only_the_manual_variant_sends_a_routing_key_and_a_slot() -> None:
+def test_only_the_manual_variant_sends_a_routing_key_and_no_variant_names_a_slot() -> None:
     by_name = {v.name: v for v in GATEWAY_VARIANTS}
     manual = by_name["manual_min_group"]
     assert manual.gateway_flags() == [
@@ -69,18 +69,11 @@ def test_only_the_manual_variant_sends_a_routing_key_and_a_slot() -> None:
         "--routing-key-headers",
         ROUTING_HEADER,
     ]
-    slots = BoxSlots(BOX_SLOTS, boxes=("http://127.0.0.1:1", "http://127.0.0.1:2"))
-    headers, fields = manual.request(slots, "thread-a")
-    assert headers == {ROUTING_HEADER: routing_key("thread-a")}
-    assert fields["cache_prompt"] is True
-    assert 0 <= fields["id_slot"] < BOX_SLOTS - 1  # the last slot is kept for memory jobs
-    # the 8 threads' first requests get 8 distinct slots, wherever the gateway puts them
-    fresh = BoxSlots(BOX_SLOTS, boxes=("http://127.0.0.1:1", "http://127.0.0.1:2"))
-    assert len({fresh.slot_for(f"thread-{i}") for i in range(8)}) == 8
+    assert manual.request("thread-a") == ({ROUTING_HEADER: routing_key("thread-a")}, {"cache_prompt": True})
     for name in ("cache_aware", "round_robin"):
         variant = by_name[name]
         assert variant.gateway_flags() == ["--policy", name]
-        assert variant.request(None, "thread-a") == ({}, {"cache_prompt": True})
+        assert variant.request("thread-a") == ({}, {"cache_prompt": True})
 
 
 def test_threads_cycle_over_trajectories_and_copies_differ_after_the_system_prompt() -> None:

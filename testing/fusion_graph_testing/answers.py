@@ -1,0 +1,74 @@
+"""Is an answer given under load the answer the same request gets alone?
+
+For tests and benchmarks of llama-server traffic: each recorded chat request
+(``Exchange``: the body sent, the answer with ``logprobs`` and ``top_logprobs``)
+is sent again, alone, to a server with no host prompt cache, with
+``cache_prompt: false`` and no ``id_slot``, and the two greedy token sequences
+are compared. A tiny random model's distributions are flat, so two tokens can
+tie and batching noise may pick either: at the first position where the two
+answers differ, the difference is *material* only when the token given under
+load is not among the alone answer's top tokens there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One chat request as sent (``body``) and the server's answer to it (``answer``)."""
+
+    body: dict[str, Any]
+    answer: dict[str, Any]
+
+
+def tokens(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """The answer's tokens with their top alternatives (``choices[0].logprobs.content``)."""
+    logprobs = (answer.get("choices") or [{}])[0].get("logprobs") or {}
+    content = logprobs.get("content")
+    return content if isinstance(content, list) else []
+
+
+def alone(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as sent alone: no slot, no prompt cache; greedy with the top 3 kept."""
+    sent = {k: v for k, v in body.items() if k not in ("id_slot", "stream", "stream_options")}
+    return {**sent, "cache_prompt": False, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+
+
+def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> str | None:
+    """Where ``loaded`` leaves ``solo`` materially (see the module docstring); ``None``: it does not."""
+    for index, (got, want) in enumerate(zip(loaded, solo, strict=False)):
+        if got.get("token") == want.get("token"):
+            continue
+        top = [alt.get("token") for alt in want.get("top_logprobs") or []]
+        if got.get("token") in top:
+            return None  # a tie the alone run broke the other way: from here on the contexts differ
+        return f"token {index}: {got.get('token')!r} under load, {want.get('token')!r} alone (top {top!r})"
+    if len(loaded) != len(solo):
+        return f"{len(loaded)} tokens under load, {len(solo)} alone"
+    return None
+
+
+async def divergent(client: httpx.AsyncClient, exchanges: list[Exchange]) -> list[str]:
+    """Each exchange whose answer leaves the same request run alone materially, described.
+
+    ``client`` reaches a server with no host prompt cache (``--cache-ram 0``), at its
+    OpenAI base URL; the requests are sent one after another.
+    """
+    found = []
+    for number, exchange in enumerate(exchanges):
+        response = await client.post("/chat/completions", json=alone(exchange.body))
+        response.raise_for_status()
+        loaded, solo = tokens(exchange.answer), tokens(response.json())
+        if not loaded or not solo:
+            found.append(f"request {number}: no logprobs in an answer (ask with logprobs and top_logprobs)")
+            continue
+        where = difference(loaded, solo)
+        if where is not None:
+            slot = exchange.body.get("id_slot")
+            found.append(f"request {number} (slot {slot}): {where}")
+    return found
