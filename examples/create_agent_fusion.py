@@ -1,21 +1,23 @@
 """An existing ``create_agent`` agent made fusion-routed by one line: each model call to local or cloud.
 
-Needs what the quick start needs: the cloud key (``OPENAI_API_KEY``) and a llama-server
-at ``FUSION_LOCAL_BASE_URL``. ``langgraph dev`` can serve ``agent`` from a ``langgraph.json``.
+Needs what the quick start needs: the cloud key (``OPENAI_API_KEY``, or ``FUSION_CLOUD_API_KEY``)
+and a llama-server at ``FUSION_LOCAL_BASE_URL``. ``langgraph dev`` can serve ``agent`` from a
+``langgraph.json``. The agent's own model is the graph's cloud model, built from the same settings
+(its key, endpoint and timeout), so wherever the settings find the key, the agent has it too.
 """
 
 import asyncio
 
 from langchain.agents import create_agent
 from langchain_core.messages import HumanMessage
-from langchain_openai import ChatOpenAI
 
 from fusion_graph import FusionSettings, make_workspace_tools
 from fusion_graph.middleware import FusionRoutingMiddleware
+from fusion_graph.providers.models import build_cloud_model
 
 settings = FusionSettings(workspace_root=".")  # operator settings; else FUSION_* and .env
 agent = create_agent(
-    model=ChatOpenAI(model=settings.cloud_model, base_url=settings.cloud_base_url),  # the agent's own model
+    model=build_cloud_model(settings),  # the agent's own model: the graph's cloud model
     tools=make_workspace_tools(settings=settings),
     middleware=[FusionRoutingMiddleware(settings=settings, context={"cloud_share": 30})],  # the one line
 )

@@ -10,11 +10,18 @@ system prompt) and four fields that may only *narrow* the operator's settings
 ``FusionSettings``. Unknown keys, operator settings and wrong types are
 refused with a message naming the field.
 
-Each default can be set by the operator with ``FUSION_<FIELD_NAME>``. Those
-are read when the graph is built (``context_defaults``), like the operator
-settings, not at import: a default set after the package was imported counts,
-a bad one is refused there naming its variable, and the schema the built graph
-serves to Studio carries the defaults in force.
+Each default can be set by the operator with ``FUSION_<FIELD_NAME>`` (in the
+environment or ``.env``; an empty value means the built-in default, as it does
+for the operator settings). Those are read when the graph is built
+(``context_defaults``), like the operator settings, not at import: a default
+set after the package was imported counts, a bad one is refused there naming
+its variable, and the schema the built graph serves to Studio carries the
+defaults in force.
+
+A run's context overrides them field by field, whether it is a mapping or a
+``FusionContext``: an object remembers which fields its caller set (keywords
+or assignments), and ``ensure_context`` fills the others from the defaults,
+so ``FusionContext(mode="local")`` and ``{"mode": "local"}`` run alike.
 """
 
 from __future__ import annotations
@@ -25,9 +32,17 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass
-from pydantic_core import ArgsKwargs
+from pydantic_core import ArgsKwargs, ErrorDetails
 
 from fusion_graph import prompts
 from fusion_graph.errors import ContextError
@@ -39,7 +54,7 @@ from fusion_graph.routing.score import (
     Mode,
     check_trouble_weights,
 )
-from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS, between
+from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS, between, closest_name, dotenv_entries
 
 #: Marks a field as a model name so LangGraph Studio renders a model picker (in the served schema).
 LLM_PICKER = Field(json_schema_extra={"__template_metadata__": {"kind": "llm"}})
@@ -263,6 +278,29 @@ class FusionContext:
                 )
         return data
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_given(cls, data: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        """Remember which fields the caller set, so the unset ones can take the operator's defaults.
+
+        A dataclass cannot tell an explicit ``4096`` from its default, and
+        ``ensure_context`` must fill only what the caller left out (as it does
+        for a mapping). Keywords count when the object is built, a field when it
+        is assigned; an object validated again keeps what it had.
+        """
+        before = _given(data) if isinstance(data, FusionContext) else frozenset()
+        result = handler(data)
+        if info.field_name is not None:  # an assignment: that field is now the caller's
+            given = before | {info.field_name}
+        elif isinstance(data, ArgsKwargs):
+            given = frozenset(data.kwargs or ())
+        elif isinstance(data, Mapping):
+            given = frozenset(str(name) for name in data)
+        else:
+            given = before
+        object.__setattr__(result, _GIVEN, given)
+        return result
+
     @property
     def env_names(self) -> dict[str, str]:
         """Field name -> the environment variable that sets its default."""
@@ -282,6 +320,25 @@ _NARROWING = {
 }
 ENV_KEYS = {name: _NARROWING.get(name, name) for name in RUN_FIELDS}
 
+#: Where a ``FusionContext`` keeps the names of the fields its caller set (not a field: never in the schema).
+_GIVEN = "_fusion_given"
+
+
+def _given(context: FusionContext) -> frozenset[str]:
+    """The fields ``context``'s caller set; all of them when it was built some other way."""
+    given = context.__dict__.get(_GIVEN)
+    return given if isinstance(given, frozenset) else RUN_FIELDS
+
+
+def _resolved(context: FusionContext) -> FusionContext:
+    """``context`` marked as holding every field's value for its run (defaults already applied).
+
+    Nodes call ``ensure_context`` again on what the run carries; a resolved
+    context is then taken as it is, and never meets defaults read later.
+    """
+    object.__setattr__(context, _GIVEN, RUN_FIELDS)
+    return context
+
 
 def _env_value(raw: str, default: Any) -> Any:
     """A ``FUSION_*`` default's text as the field takes it: JSON-decoded, except for text fields."""
@@ -294,21 +351,24 @@ def _env_value(raw: str, default: Any) -> Any:
 
 
 def context_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The operator's run defaults: every ``FUSION_<FIELD>`` that is set (``environ``, else now's), checked.
+    """The operator's run defaults: every ``FUSION_<FIELD>`` set to a value, checked.
 
     ``build_graph`` reads them once, as it reads the operator settings; each CLI
     command reads them when it starts. A run's own context overrides them
-    field by field.
+    field by field. Read from ``environ``, else from the environment over
+    ``./.env`` (as ``FusionSettings`` reads its own). An empty value is no
+    default: the field keeps its built-in one, as an empty operator setting
+    does, so ``.env.example`` uncommented as written runs.
 
     Raises:
         ContextError: One is invalid; the message names each bad variable, its
             field and what it takes.
     """
-    source = os.environ if environ is None else environ
+    source = {**dotenv_entries(), **os.environ} if environ is None else environ
     given = {
         name: _env_value(raw, DEFAULTS[key])
         for name, key in ENV_KEYS.items()
-        if (raw := source.get(ENV_PREFIX + key.upper())) is not None
+        if (raw := source.get(ENV_PREFIX + key.upper())) is not None and raw.strip()
     }
     if not given:
         return {}
@@ -321,7 +381,9 @@ def context_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]
             for e in error.errors()
             if e["loc"] and str(e["loc"][0]) in ENV_KEYS
         )
-        raise ContextError(f"invalid run-context default from the environment: {bad or error}") from None
+        raise ContextError(
+            f"invalid run-context default from the environment or ./.env: {bad or error}"
+        ) from None
     return {name: getattr(checked, name) for name in given}
 
 
@@ -346,7 +408,8 @@ def ensure_context(context: Any, defaults: Mapping[str, Any] | None = None) -> F
 
     Args:
         context: What the caller passed: ``None``, a mapping of run fields, or a
-            ``FusionContext`` (taken as it is).
+            ``FusionContext`` (the fields its caller set are kept, the others
+            take the defaults, as for a mapping).
         defaults: The operator's run defaults (``context_defaults``); ``None``
             reads them from the environment now.
 
@@ -356,20 +419,37 @@ def ensure_context(context: Any, defaults: Mapping[str, Any] | None = None) -> F
             a default from the environment is invalid.
     """
     if isinstance(context, FusionContext):
-        return context
+        given = _given(context)
+        if given == RUN_FIELDS:  # resolved already (or every field set): the object as it is
+            return context
+        # A copy over the defaults: the caller's object stays theirs, for another graph's defaults.
+        context = {name: getattr(context, name) for name in given}
     base = context_defaults() if defaults is None else defaults
     if context is None:
-        return FusionContext(**base)
+        return _resolved(FusionContext(**base))
     if not isinstance(context, dict):
         raise ContextError(
             f"the run context must be an object of run settings (FusionContext fields), "
             f"got {type(context).__name__}: {context!r:.80}"
         )
     try:
-        return FusionContext(**{**base, **context})
+        return _resolved(FusionContext(**{**base, **context}))
     except ValidationError as error:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'context'}: {e['msg'].removeprefix('Value error, ')}"
+            + _suggestion(e)
             for e in error.errors()
         )
         raise ContextError(f"invalid run context: {problems}") from None
+
+
+def _suggestion(error: ErrorDetails) -> str:
+    """`` (did you mean 'cloud_share'?)`` for an unknown key that misspells a run field, else nothing.
+
+    The same hint an unknown ``FUSION_*`` variable or operator setting gets, so a
+    typo in a run's context is as easy to spot as one in the environment.
+    """
+    if error["type"] != "unexpected_keyword_argument" or not error["loc"]:
+        return ""
+    meant = closest_name(str(error["loc"][-1]), RUN_FIELDS)
+    return f" (did you mean {meant!r}?)" if meant else ""

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import posixpath
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -82,6 +83,15 @@ def price(value: Any) -> Any:
     return number
 
 
+def closest_name(name: str, known: Iterable[str]) -> str | None:
+    """The known name ``name`` most likely misspells (``None``: none is close).
+
+    One rule for every "did you mean" the package prints: unknown settings,
+    unknown ``FUSION_*`` variables and unknown run-context keys.
+    """
+    return next(iter(difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)), None)
+
+
 def lexical_parts(path: str) -> list[str] | None:
     """The components of relative ``path`` with ``.`` and ``..`` applied; ``None`` if it climbs above.
 
@@ -111,6 +121,19 @@ def dotenv_value(name: str, path: str = ".env") -> str | None:
     return value or None
 
 
+def dotenv_entries(path: str = ".env") -> dict[str, str]:
+    """The variables the dotenv file at ``path`` sets to a value (none without the file).
+
+    The run context's ``FUSION_*`` defaults are read from here under the
+    environment, as ``FusionSettings`` reads its own, so one ``.env`` configures both.
+    """
+    if not os.path.isfile(path):
+        return {}
+    from dotenv import dotenv_values
+
+    return {name: value for name, value in dotenv_values(path).items() if value is not None}
+
+
 Price = Annotated[float, AfterValidator(price)]
 
 
@@ -135,8 +158,15 @@ DEFAULT_SECRET_FILES: tuple[str, ...] = (
 class FusionSettings(BaseSettings):
     """What the operator configures once per deployment (``FUSION_<NAME>`` variables)."""
 
+    # env_ignore_empty: an empty FUSION_* value (as .env.example writes the optional ones) means the
+    # field's default, from the environment and .env alike; a setting is turned off by a value.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_file=".env", extra="ignore", frozen=True, validate_default=True
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_ignore_empty=True,
+        extra="ignore",
+        frozen=True,
+        validate_default=True,
     )
 
     cloud_model: Annotated[str, Field(min_length=1)] = Field(
@@ -165,7 +195,7 @@ class FusionSettings(BaseSettings):
         "x-fusion-thread",
         description="Header every local request carries with the thread's routing key (a stable hash "
         "of its id), so a gateway in front of several llama-servers (smg --policy manual "
-        "--routing-key-headers x-fusion-thread) keeps each thread on one box; empty sends none.",
+        "--routing-key-headers x-fusion-thread) keeps each thread on one box; 'off' sends none.",
     )
     local_workers: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
@@ -176,7 +206,7 @@ class FusionSettings(BaseSettings):
     local_worker_header: str = Field(
         "x-smg-routed-worker-id",
         description="Response header in which a gateway names the box that served a local request; "
-        "each thread's slot is then kept free on its own box. Empty: not read.",
+        "each thread's slot is then kept free on its own box. 'off': not read.",
     )
     shared_state: Literal["off", "postgres"] = Field(
         "off",
@@ -319,6 +349,12 @@ class FusionSettings(BaseSettings):
         description="Serve /metrics on this port from this process: one port per worker process "
         "(each is a scrape target). Empty: not served by fusion-graph.",
     )
+    metrics_host: Annotated[str, Field(min_length=1)] = Field(
+        "127.0.0.1",
+        description="Address /metrics listens on: this machine only by default (the metrics name "
+        "providers, boxes and spend); 0.0.0.0 (or ::) where Prometheus scrapes from elsewhere, as "
+        "in a container or a pod.",
+    )
     traces: bool = Field(
         False,
         description="Export an OpenTelemetry span per turn, inference and tool call over OTLP (the "
@@ -330,9 +366,9 @@ class FusionSettings(BaseSettings):
         """Read the settings; a keyword that names no setting is refused (a typo is never dropped)."""
         unknown = sorted(k for k in values if not k.startswith("_") and k not in type(self).model_fields)
         if unknown:
-            hints = [difflib.get_close_matches(k, type(self).model_fields, n=1) for k in unknown]
+            hints = [closest_name(k, type(self).model_fields) for k in unknown]
             named = ", ".join(
-                f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                f"{k!r}" + (f" (did you mean {h!r}?)" if h else "")
                 for k, h in zip(unknown, hints, strict=True)
             )
             raise ContextError(f"unknown operator setting {named}; see FusionSettings for the valid names")
@@ -354,7 +390,10 @@ class FusionSettings(BaseSettings):
     @field_validator("cloud_models", "local_workers", "secret_files", mode="before")
     @classmethod
     def _text_list(cls, value: Any) -> Any:
-        """A list setting from a variable: a JSON list, or plain comma-separated items (empty: none)."""
+        """A list setting from a variable: a JSON list, or plain comma-separated items (``[]``: none).
+
+        An empty variable never gets here: it means the default, as for every setting.
+        """
         if not isinstance(value, str):
             return value
         text = value.strip()
@@ -382,7 +421,12 @@ class FusionSettings(BaseSettings):
     @field_validator("local_routing_header", "local_worker_header")
     @classmethod
     def _header_name(cls, value: str, info: ValidationInfo) -> str:
-        """An HTTP header name (token characters only), or empty to turn it off."""
+        """An HTTP header name (token characters only), or ``off`` (or ``""``) to turn it off.
+
+        ``off`` is how a variable turns it off: an empty variable means the default header.
+        """
+        if value.strip().lower() == "off":
+            return ""
         allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&'*+-.^_`|~")
         if value and not set(value) <= allowed:
             raise ValueError(f"{info.field_name} must be an HTTP header name, got {value!r}")

@@ -269,7 +269,7 @@ def calibrate_command(
     """
     from fusion_graph.context import ensure_context
     from fusion_graph.errors import CalibrationError, ContextError
-    from fusion_graph.replay.calibration import calibrate_many
+    from fusion_graph.replay.calibration import calibrate_many, target_verdict
     from fusion_graph.replay.summary import summarize
 
     target, kind = _target(target_cloud_fraction, target_cost_fraction, of)
@@ -367,6 +367,13 @@ def calibrate_command(
         _share(checked["cost_fraction"]),
     )
     console.print(table)
+    if output["achieved"] is not None:
+        console.print(
+            f"achieved {output['achieved']:.3f} {words[kind]} for the target {target:.3f}: "
+            + target_verdict(target, output["achieved"]),
+            highlight=False,
+            soft_wrap=True,
+        )
     budget = budget_sentence(checked)
     if budget is not None and unbudgeted is not None:
         console.print(

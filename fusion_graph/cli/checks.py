@@ -143,15 +143,12 @@ def unknown_variables(*sources: Iterable[str]) -> list[tuple[str, str | None]]:
 
     A misspelt variable is otherwise ignored without a word (``FUSION_CLOUD_SHAR=50``).
     """
-    import difflib
-
     from fusion_graph.cli.docs import config_rows
+    from fusion_graph.settings import closest_name
 
     known = {row[4] for row in config_rows()} | set(OTHER_VARIABLES)
     names = sorted({name for source in sources for name in source if name.startswith("FUSION_")} - known)
-    return [
-        (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)) for name in names
-    ]
+    return [(name, closest_name(name, known)) for name in names]
 
 
 def dotenv_names(path: str = ".env") -> list[str]:

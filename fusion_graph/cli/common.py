@@ -30,9 +30,10 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.text import Text
 
 from fusion_graph.redact import scrub, scrub_known
-from fusion_graph.routing.records import is_step
+from fusion_graph.routing.records import is_step, unanswered
 
 if TYPE_CHECKING:
     from fusion_graph.context import FusionContext
@@ -41,9 +42,59 @@ if TYPE_CHECKING:
     from fusion_graph.settings import FusionSettings
 
 
+def wrap_words(text: Text, width: int) -> Text:
+    """``text`` with each line broken between words to fit ``width``; a longer word stays whole.
+
+    Rich's own wrapping folds a word longer than the width (a path, a URL) into
+    pieces; this keeps it on a line of its own, as ``textwrap`` does with
+    ``break_long_words=False``, so it can still be copied whole.
+    """
+    lines: list[Text] = []
+    for line in text.split("\n", allow_blank=True):
+        plain, breaks, start = line.plain, [], 0
+        for word in re.finditer(r"\S+\s*", plain):
+            if word.start() > start and len(plain[start : word.end()].rstrip()) > width:
+                breaks.append(word.start())
+                start = word.start()
+        for part in line.divide(breaks):
+            part.rstrip()
+            lines.append(part)
+    return Text("\n").join(lines)
+
+
+class CliConsole(Console):
+    """A rich console whose sentences wrap between words at a terminal, never inside one.
+
+    The CLI prints its notes, errors and sentences with ``soft_wrap=True`` so
+    that off a terminal (a pipe, a file, a test) each stays one line to search.
+    At a terminal that left the wrapping to the terminal, which cuts a line at
+    its last column, inside a word (``withi`` / ``n``, ``--th`` / ``read ID``).
+    There such text is wrapped here instead, at spaces only (``wrap_words``).
+    """
+
+    def print(self, *objects: Any, **options: Any) -> None:
+        """``Console.print``; at a terminal, soft-wrapped text is wrapped at spaces first."""
+        texts = bool(objects) and all(isinstance(item, str | Text) for item in objects)
+        if texts and options.get("soft_wrap") and self.is_terminal:
+            parts = [
+                self.render_str(
+                    item,
+                    markup=options.get("markup"),
+                    highlight=options.get("highlight"),
+                    emoji=options.get("emoji"),
+                )
+                if isinstance(item, str)
+                else item
+                for item in objects
+            ]
+            joined = Text(str(options.pop("sep", " "))).join(parts)
+            objects = (wrap_words(joined, options.get("width") or self.width),)
+        super().print(*objects, **options)
+
+
 def stderr_console() -> Console:
     """A console on stderr (progress, notes and errors)."""
-    return Console(stderr=True)
+    return CliConsole(stderr=True)
 
 
 def stdout_console() -> Console:
@@ -52,7 +103,7 @@ def stdout_console() -> Console:
     Every table is laid out to read at 80 columns (``tables``), so output sent
     to a file reads like the terminal's.
     """
-    return Console()
+    return CliConsole()
 
 
 def fail(message: str) -> typer.Exit:
@@ -221,7 +272,8 @@ PLAN_NOTE = "plans (one per turn) run on cloud whenever cloud_share > 0"
 class CloudShare:
     """Where the router sent a thread's (or turn's) inferences, over all steps and continuation steps.
 
-    Steps are plans, continuation steps and repairs (memory jobs are not steps);
+    Steps are plans, continuation steps and repairs (memory jobs are not steps, nor
+    is an inference no provider answered: it is tried again, and counts then);
     continuation steps are the ``kind="step"`` ones, the share the dial
     (``cloud_share``) sets. Each turn's plan runs on cloud whenever
     ``cloud_share > 0``, so the share of all steps is the higher one.
@@ -245,7 +297,8 @@ class CloudShare:
     @classmethod
     def of(cls, records: Sequence[RouteRecord]) -> CloudShare:
         """The share of ``records`` (``route_log`` entries), by the leg the router chose."""
-        steps = [r for r in records if is_step(r)]
+        # A step no provider answered is retried (resumed, or the turn run again): it counts then.
+        steps = [r for r in records if is_step(r) and not unanswered(r)]
         continuation = [r for r in steps if r["kind"] == "step"]
         plans = [r for r in steps if r["kind"] == "plan"]
         return cls(

@@ -35,7 +35,13 @@ from fusion_graph.cli.common import (
     storage,
 )
 from fusion_graph.cli.prices import PricedCosts, cloud_prices, price_note, priced_costs
-from fusion_graph.cli.stores import DEFAULT_DB, is_postgres_url
+from fusion_graph.cli.stores import (
+    DEFAULT_DB,
+    is_postgres_url,
+    postgres_conninfo,
+    postgres_where,
+    unreachable,
+)
 from fusion_graph.cli.tables import add_number_columns, compact_table
 from fusion_graph.routing.records import is_step, kept_local_by_budget
 
@@ -47,6 +53,12 @@ if TYPE_CHECKING:
 
 #: Characters of a thread's first user message shown by the report.
 FIRST_MESSAGE_CHARS = 40
+#: Seconds one query of ``report --postgres`` may run (Postgres's ``statement_timeout``).
+POSTGRES_STATEMENT_TIMEOUT_S = 120
+#: Characters of a bad option value echoed in its error (the rest is counted, not printed).
+ECHO_CHARS = 60
+#: The longest span ``--since`` takes (``36500d``, about a century): a longer one is a typo.
+MAX_SINCE_DAYS = 36_500
 
 
 @dataclass(frozen=True)
@@ -119,11 +131,21 @@ def stored_threads(db: Path, thread: str | None = None) -> dict[str, StoredThrea
     return threads
 
 
+def echo(value: str, limit: int = ECHO_CHARS) -> str:
+    """``value`` quoted for an error, cut to ``limit`` characters (a pasted file is not printed back)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def since_time(value: str, now: datetime | None = None) -> datetime:
     """``--since``: an ISO 8601 time, or a span back from now (``30m``, ``24h``, ``7d``).
 
+    Spans are bounded (``MAX_SINCE_DAYS``): ``99999999999d`` would overflow
+    ``datetime`` into a traceback, where the operator needs one line.
+
     Raises:
-        typer.Exit: Neither.
+        typer.Exit: Neither, or a span longer than ``MAX_SINCE_DAYS`` days.
     """
     import re
     from datetime import UTC, timedelta
@@ -131,12 +153,18 @@ def since_time(value: str, now: datetime | None = None) -> datetime:
     now = now or datetime.now(UTC)
     span = re.fullmatch(r"(\d+(?:\.\d+)?)([mhd])", value.strip())
     if span:
-        unit = {"m": "minutes", "h": "hours", "d": "days"}[span.group(2)]
-        return now - timedelta(**{unit: float(span.group(1))})
+        days = float(span.group(1)) / {"m": 1440, "h": 24, "d": 1}[span.group(2)]
+        if days > MAX_SINCE_DAYS:  # inf too: a span of a million digits is read, then refused
+            raise fail(
+                f"--since {echo(value)} reaches back more than {MAX_SINCE_DAYS} days; give a shorter span"
+            )
+        return now - timedelta(days=days)
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
-        raise fail(f"--since {value!r} is neither an ISO 8601 time nor a span like 24h, 7d or 30m") from None
+        raise fail(
+            f"--since {echo(value)} is neither an ISO 8601 time nor a span like 24h, 7d or 30m"
+        ) from None
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
@@ -148,11 +176,15 @@ def postgres_threads(
     ``assistant``: only threads whose checkpoints a LangGraph server run of that
     assistant (id or graph name) wrote; ``since``: only threads with a checkpoint since then.
 
+    The connect is bounded (``stores.postgres_conninfo``) and so is each query
+    (``POSTGRES_STATEMENT_TIMEOUT_S``): a database that does not answer ends the
+    report with one line naming its host, never the password.
+
     Raises:
-        typer.Exit: The database has no checkpoints table, or ``thread`` is not in it.
+        typer.Exit: The database cannot be reached, has no checkpoints table, a query ran past
+            its timeout, or ``thread`` is not in it.
     """
     import psycopg
-    from langgraph.checkpoint.postgres import PostgresSaver
     from psycopg.rows import dict_row
 
     where, args = ["checkpoint_ns = ''"], []
@@ -167,33 +199,56 @@ def postgres_threads(
         f"WHERE {' AND '.join(where)} GROUP BY thread_id ORDER BY first"
     )
     threads: dict[str, StoredThread] = {}
-    with psycopg.connect(url, autocommit=True, prepare_threshold=0, row_factory=dict_row) as connection:
-        found = connection.execute("SELECT to_regclass('checkpoints') AS t").fetchone()
-        if found is None or found["t"] is None:
-            raise fail("the database holds no LangGraph checkpoints (no checkpoints table)")
-        rows = connection.execute(query, args).fetchall()
-        if thread is not None and not rows:
-            raise fail(f"thread {thread!r} is not in the database")
-        saver = PostgresSaver(connection)
-        for row in rows:
-            config: Any = {"configurable": {"thread_id": str(row["thread_id"]), "checkpoint_ns": ""}}
-            latest = saver.get_tuple(
-                {"configurable": {**config["configurable"], "checkpoint_id": row["last"]}}
-            )
-            first = saver.get_tuple(
-                {"configurable": {**config["configurable"], "checkpoint_id": row["first"]}}
-            )
-            if latest is None:
-                continue
-            if since is not None and datetime.fromisoformat(latest.checkpoint["ts"]) < since:
-                continue
-            values = latest.checkpoint["channel_values"]
-            threads[str(row["thread_id"])] = StoredThread(
-                route_log=list(values.get("route_log", [])),
-                started_at=first.checkpoint.get("ts") if first is not None else None,
-                first_message=first_user_message(values.get("messages", [])),
-            )
+    try:
+        connection = psycopg.connect(
+            postgres_conninfo(url), autocommit=True, prepare_threshold=0, row_factory=dict_row
+        )
+    except psycopg.OperationalError as error:
+        raise fail(unreachable(url, error)) from None
+    try:
+        with connection:
+            _read_threads(connection, threads, query, args, thread, since)
+    except psycopg.errors.QueryCanceled:
+        raise fail(
+            f"--postgres: a query on {postgres_where(url)} ran past {POSTGRES_STATEMENT_TIMEOUT_S} s "
+            "(statement_timeout); read fewer threads with --since, --assistant or --thread"
+        ) from None
     return threads
+
+
+def _read_threads(
+    connection: Any,
+    threads: dict[str, StoredThread],
+    query: str,
+    args: list[Any],
+    thread: str | None,
+    since: datetime | None,
+) -> None:
+    """Fill ``threads`` from an open connection (``postgres_threads``), each query under the timeout."""
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    connection.execute(f"SET statement_timeout = '{POSTGRES_STATEMENT_TIMEOUT_S}s'")
+    found = connection.execute("SELECT to_regclass('checkpoints') AS t").fetchone()
+    if found is None or found["t"] is None:
+        raise fail("the database holds no LangGraph checkpoints (no checkpoints table)")
+    rows = connection.execute(query, args).fetchall()
+    if thread is not None and not rows:
+        raise fail(f"thread {thread!r} is not in the database")
+    saver = PostgresSaver(connection)
+    for row in rows:
+        config: Any = {"configurable": {"thread_id": str(row["thread_id"]), "checkpoint_ns": ""}}
+        latest = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": row["last"]}})
+        first = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": row["first"]}})
+        if latest is None:
+            continue
+        if since is not None and datetime.fromisoformat(latest.checkpoint["ts"]) < since:
+            continue
+        values = latest.checkpoint["channel_values"]
+        threads[str(row["thread_id"])] = StoredThread(
+            route_log=list(values.get("route_log", [])),
+            started_at=first.checkpoint.get("ts") if first is not None else None,
+            first_message=first_user_message(values.get("messages", [])),
+        )
 
 
 def stored_route_logs(db: Path, thread: str | None = None) -> dict[str, list[RouteRecord]]:

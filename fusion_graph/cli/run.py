@@ -219,6 +219,7 @@ async def run_task(
     from fusion_graph.agent import build_graph
     from fusion_graph.cli.stores import has_checkpoint, open_saver, open_store
     from fusion_graph.context import ensure_context
+    from fusion_graph.memory.background import detached_now, stop_detached
     from fusion_graph.providers.resolver import ProviderResolver
 
     started = time.monotonic()
@@ -237,6 +238,7 @@ async def run_task(
         if thread_id is not None and not new_thread and not await has_checkpoint(saver, thread):
             raise no_thread(thread, "--postgres" if postgres else f"--db {db}")
         resolver = ProviderResolver(cloud=cloud, local=local, settings=settings)
+        earlier_runs = detached_now()  # an embedding app's own detached runs are not this turn's
         try:
             graph = build_graph(resolver=resolver, checkpointer=saver, store=store)
             before = len((await graph.aget_state(config)).values.get("route_log", []))
@@ -267,6 +269,8 @@ async def run_task(
             limit = memory_wait_limit(settings, result.answer_s) if memory_wait_s is None else memory_wait_s
             result = dataclasses.replace(result, memory_pending=await wait_for_memory_jobs(limit))
         finally:
+            # What still runs stops before the providers close: it stays pending, never "dropped".
+            await stop_detached(keep=earlier_runs)
             await resolver.aclose()
     return result
 

@@ -8,10 +8,16 @@ Postgres database with ``--postgres``.
 ``check_target`` looks at a SQLite file with the standard library alone, so
 ``run`` refuses a bad ``--db`` or an unknown ``--thread`` before it loads
 LangGraph or calls a server.
+
+A Postgres is reached with a bounded connect (``postgres_conninfo``): psycopg
+waits 130 s for a server that accepts the connection and never answers, where
+an operator expects a command to give up within seconds and say where it
+looked (``unreachable``: the host, port and database, never the password).
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing
@@ -106,6 +112,73 @@ def is_postgres_url(url: str) -> bool:
     return url.startswith(("postgres://", "postgresql://"))
 
 
+#: Seconds to reach a Postgres, unless the URL (``?connect_timeout=N``) or ``PGCONNECT_TIMEOUT`` says.
+POSTGRES_CONNECT_TIMEOUT_S = 10
+
+
+def postgres_conninfo(url: str) -> str:
+    """``url`` as a connection string with a bounded connect: ``connect_timeout`` unless it sets its own.
+
+    libpq's ``connect_timeout`` bounds the whole connection (TCP, TLS, the startup
+    exchange), so a socket that accepts and never answers fails within it.
+    A URL psycopg cannot parse is returned as it is: connecting says what is wrong.
+    """
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        params = conninfo_to_dict(url)
+    except ProgrammingError:
+        return url
+    if params.get("connect_timeout") is not None or os.environ.get("PGCONNECT_TIMEOUT"):
+        return url
+    return make_conninfo(url, connect_timeout=POSTGRES_CONNECT_TIMEOUT_S)
+
+
+def postgres_where(url: str) -> str:
+    """Where ``url`` points, for an error: ``host:port/database`` (never the user or the password)."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    from fusion_graph.redact import scrub
+
+    try:
+        params = conninfo_to_dict(url)
+    except ProgrammingError:
+        return "the --postgres URL"
+    host = str(params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or "localhost")
+    port = str(params.get("port") or os.environ.get("PGPORT") or "5432")
+    database = params.get("dbname")
+    return scrub(f"{host}:{port}" + (f"/{database}" if database else ""))
+
+
+def unreachable(url: str, error: BaseException) -> str:
+    """The one line for a Postgres that could not be connected to: where, and why (scrubbed)."""
+    from fusion_graph.redact import scrub
+
+    where = postgres_where(url)
+    detail = scrub(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+    if "timeout" in detail.lower():
+        return (
+            f"--postgres: the database at {where} did not answer within {_connect_timeout(url)} s "
+            "(the connect timeout: the URL's ?connect_timeout=N or PGCONNECT_TIMEOUT sets it); is it up, "
+            "and is that its address?"
+        )
+    return f"--postgres: cannot connect to the database at {where}: {detail}"
+
+
+def _connect_timeout(url: str) -> str:
+    """The connect timeout a connection to ``url`` ran under (``postgres_conninfo``), for a message."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        params = conninfo_to_dict(postgres_conninfo(url))
+    except ProgrammingError:
+        params = {}
+    return str(params.get("connect_timeout") or os.environ.get("PGCONNECT_TIMEOUT") or "?")
+
+
 def _check_postgres(url: str) -> None:
     from fusion_graph.redact import scrub
 
@@ -124,7 +197,7 @@ async def open_saver(db: Path, postgres: str | None) -> AsyncIterator[BaseCheckp
             raise RunError(f"--postgres needs langgraph-checkpoint-postgres: {POSTGRES_EXTRA}") from error
         manager = cast(
             AbstractAsyncContextManager["BaseCheckpointSaver[str]"],
-            AsyncPostgresSaver.from_conn_string(postgres),
+            AsyncPostgresSaver.from_conn_string(postgres_conninfo(postgres)),
         )
         async with manager as saver:
             await saver.setup()  # type: ignore[attr-defined]
@@ -146,7 +219,7 @@ async def open_store(db: Path, postgres: str | None) -> AsyncIterator[BaseStore]
             from langgraph.store.postgres.aio import AsyncPostgresStore
         except ImportError as error:
             raise RunError(f"--postgres needs langgraph-checkpoint-postgres: {POSTGRES_EXTRA}") from error
-        async with AsyncPostgresStore.from_conn_string(postgres) as pg_store:
+        async with AsyncPostgresStore.from_conn_string(postgres_conninfo(postgres)) as pg_store:
             await pg_store.setup()
             yield pg_store
         return

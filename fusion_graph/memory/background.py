@@ -43,6 +43,28 @@ def detach(job: Awaitable[Any], key: str | None = None) -> asyncio.Task[Any]:
     return task
 
 
+def detached_now() -> frozenset[asyncio.Task[Any]]:
+    """The detached runs of this process now (``stop_detached`` leaves these alone)."""
+    return frozenset(_PENDING)
+
+
+async def stop_detached(keep: frozenset[asyncio.Task[Any]] = frozenset()) -> int:
+    """Cancel the detached runs not in ``keep`` and wait until they stopped; how many were running.
+
+    A run stopped this way stays ``pending`` in the job log, so the thread's next
+    turn runs it. Stopping it before its providers close matters: closing the
+    HTTP client under a running job would fail its request, and the job would be
+    recorded (and counted) as a failed attempt, an exhausted inference and a
+    dropped job, and logged as done.
+    """
+    running = [task for task in _PENDING if task not in keep and not task.done()]
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.wait(running)
+    return len(running)
+
+
 def runs_in_flight() -> int:
     """Memory runs detached in this process and not finished yet (the metrics' pending jobs)."""
     return sum(1 for task in _PENDING if not task.done())

@@ -165,18 +165,19 @@ class MemoryRuns:
         pending = [
             (ns, entry)
             for ns, entry in entries
-            if entry.get("status") == "pending" and not background.running_here(ticket_of(entry, ns).key)
+            if entry.get("status") == "pending"
+            and not background.running_here(ticket_of(entry, ns).claim_key)
         ]
         shared = self.resolver.shared
         if shared is not None and pending:
             try:
-                claims = await shared.job_claims([ticket_of(entry, ns).key for ns, entry in pending])
+                claims = await shared.job_claims([ticket_of(entry, ns).claim_key for ns, entry in pending])
             except SharedStateUnavailable as error:
                 logger.warning("memory jobs: deciding in this process only: %s", error)
             else:
                 stale = []
                 for ns, entry in pending:
-                    claim = claims.get(ticket_of(entry, ns).key)
+                    claim = claims.get(ticket_of(entry, ns).claim_key)
                     if claim is None or not (claim.done or claim.live):
                         stale.append((ns, entry))
                 return stale
@@ -217,7 +218,7 @@ class MemoryRuns:
         owner: JobOwner | None = None
         attempt = entry.get("attempts", 1) + 1
         shared = self.resolver.shared
-        claimed = await self._claim(ticket_of(entry, ns).key)
+        claimed = await self._claim(ticket_of(entry, ns).claim_key)
         if claimed is not None:
             owner, won = claimed
             if won is None:
@@ -230,7 +231,7 @@ class MemoryRuns:
             await write_entry(store, ticket, done_entry(entry, dropped))
             if shared is not None and owner is not None and owner.claimed:
                 with contextlib.suppress(SharedStateUnavailable):
-                    await shared.finish_job(ticket.key, owner.name)
+                    await shared.finish_job(ticket.claim_key, owner.name)
             return None
         again = pending_entry(
             ticket, self.memory_jobs, lease_s=self.lease_s, created_at=entry.get("created_at")
@@ -239,7 +240,7 @@ class MemoryRuns:
         logger.info("memory job %s: running again (attempt %d)", ticket.key, ticket.attempt)
         covered = _covered(messages, ticket)
         run = self.run_logged(ticket, again, covered, context, store, owner=owner)
-        return background.detach(run, key=ticket.key)
+        return background.detach(run, key=ticket.claim_key)
 
     async def claim(self, ticket: JobTicket) -> JobOwner | None:
         """Claim a new run in the shared claims table; its owner, or ``None`` without shared state.
@@ -247,7 +248,7 @@ class MemoryRuns:
         When the database cannot be asked, the owner is not ``claimed`` yet:
         ``run_logged`` claims it before the run starts.
         """
-        claimed = await self._claim(ticket.key)
+        claimed = await self._claim(ticket.claim_key)
         return None if claimed is None else claimed[0]
 
     async def _claim(self, key: str) -> tuple[JobOwner, int | None] | None:
@@ -313,7 +314,7 @@ class MemoryRuns:
         stays pending meanwhile, and is left alone if another worker has it.
         """
         if owner is not None and not owner.claimed:
-            late = await self._claim_late(ticket.key, owner)
+            late = await self._claim_late(ticket.claim_key, owner)
             if late is None:
                 logger.info("memory job %s is another worker's: not run here", ticket.key)
                 return []
@@ -323,13 +324,13 @@ class MemoryRuns:
         name = owner.name if owner is not None else ""
         heartbeat = None
         if shared is not None:
-            heartbeat = asyncio.ensure_future(_keep_claim(shared, ticket.key, name, self.claim_lease_s))
+            heartbeat = asyncio.ensure_future(_keep_claim(shared, ticket.claim_key, name, self.claim_lease_s))
 
         async def still_ours() -> bool:
             if shared is None:
                 return True
             try:
-                return await shared.renew_job(ticket.key, name, self.claim_lease_s)
+                return await shared.renew_job(ticket.claim_key, name, self.claim_lease_s)
             except SharedStateUnavailable:
                 return True  # nobody else can claim it through an unreachable database either
 
@@ -349,7 +350,7 @@ class MemoryRuns:
                 return records
             if shared is not None:
                 with contextlib.suppress(SharedStateUnavailable):
-                    await shared.finish_job(ticket.key, name)
+                    await shared.finish_job(ticket.claim_key, name)
             return records
         finally:
             if heartbeat is not None:
@@ -398,6 +399,11 @@ class MemoryRuns:
                 )
             except TimeoutError:
                 result, records, dropped = None, [], f"timed out after {self.timeout_s} s"
+            except asyncio.CancelledError:
+                # Stopped before it finished (the command exits, the run is cancelled): not dropped,
+                # its job log entry stays pending and the thread's next turn runs it.
+                telemetry.job_left_pending()
+                raise
             stored: list[dict[str, Any]] = []
             if result is not None and still_ours is not None and not await still_ours():
                 result, dropped = None, "taken over by another worker: not written here"

@@ -37,6 +37,7 @@ from fusion_graph.routing.budget import BudgetCheck
 from fusion_graph.routing.records import StepKind, add_totals, records_totals
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.tokens import TokenCounter, build_prompt
+from fusion_graph.sizing.turn import turn_number
 from fusion_graph.state import State
 
 #: State fields with reducers: what a node writes there is always new.
@@ -218,7 +219,7 @@ class InferenceNodes:
         recalled = start.message
         if recalled is not None:
             state = {**state, "messages": [*state["messages"], recalled]}
-        turn = state.get("turn", -1) + 1
+        turn = turn_number(state.get("turn"), state["messages"])  # a retried turn keeps its number
         thread_id = thread_id_of(get_config())
         order = await decide_step(
             self.sizer,

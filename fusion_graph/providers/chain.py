@@ -75,6 +75,11 @@ def _any_link(link: ChainLink) -> bool:
     return True
 
 
+def _counted(number: int, noun: str) -> str:
+    """``1 recent failure``, ``2 recent failures``: the exhausted chain's message reads as English."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
 def _own_error(error: Exception, attempts: Sequence[Attempt]) -> ProviderRequestError:
     """``error`` as a ``ProviderRequestError``: scrubbed text, scrubbed traceback and attempts as notes."""
     kind = classify(error)
@@ -451,11 +456,12 @@ class ProviderChain:
             health, tried = self._health[link], [a for a in attempts if a.provider == link.id]
             what = f"{tried[-1].error} [{tried[-1].kind}] {tried[-1].message}" if tried else "not tried"
             what += f" (last error: {health.last_error})" if not tried and health.last_error else ""
-            when = f"available ({len(health.failures)} recent failures)"
+            failures = len(health.failures)
+            when = f"still available ({_counted(failures, 'recent failure')})" if failures else "available"
             if health.cooldown_until is not None:
                 backs.append(max(health.cooldown_until - now, 0.0))
                 when = f"cooling down, back in {backs[-1]:.1f}s" if backs[-1] else "due for a probe"
             lines.append(f"  - {link.id} ({link.leg}): {what}; {when}")
-        head = f"every provider failed or is cooling down ({len(attempts)} failed attempts)"
+        head = f"every provider failed or is cooling down ({_counted(len(attempts), 'failed attempt')})"
         message = head + (":\n" + "\n".join(lines) if lines else ": the chain is empty")
         return ChainExhausted(scrub(message), attempts, min(backs) if backs else None)

@@ -68,6 +68,19 @@ CALIBRATED_PACE_SLACK = 0.5
 TARGET_TOLERANCE = 0.05
 
 
+def target_verdict(target: float, achieved: float, tolerance: float = TARGET_TOLERANCE) -> str:
+    """How an achieved share compares with its target, in words that say so plainly.
+
+    Within ``tolerance`` it is on target; past it, the words say how far above or
+    below, so a share of 0.55 for a target of 0.10 never reads as close.
+    """
+    gap = achieved - target
+    if abs(gap) <= tolerance:
+        return f"on target, within the {tolerance:.2f} tolerance"
+    side = "above" if gap > 0 else "below"
+    return f"off target: {abs(gap):.2f} {side} it, past the {tolerance:.2f} tolerance"
+
+
 Troubles = Sequence[Sequence[tuple[float, float, bool]]]
 """Per trajectory, per step: ``(trouble points, points without them, progress event)``, for the latch."""
 

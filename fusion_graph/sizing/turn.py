@@ -79,6 +79,30 @@ def turn_start(messages: Sequence[BaseMessage]) -> int:
     return start
 
 
+def turn_number(last_turn: int | None, messages: Sequence[BaseMessage]) -> int:
+    """The number of the turn a plan starts: the next one, or the last one again when it was cut short.
+
+    A turn cut short after its plan answered (an exception or a kill mid-turn)
+    leaves the history ending in its tool calls or their results, not in a
+    reply. Continuing the thread retries that turn, so it keeps its number: its
+    records share it and ``report`` counts the turn once. A plan no provider
+    answered wrote no number (``last_turn`` is still the turn before), so the
+    next number is already the retried turn's.
+
+    Args:
+        last_turn: ``State.turn``: the number the last answered plan wrote (``None``: no turn yet).
+        messages: The history with this turn's new user message at its end.
+    """
+    if last_turn is None:
+        return 0
+    start = turn_start(messages)
+    before = messages[start - 1] if 0 < start < len(messages) else None
+    cut_short = isinstance(before, ToolMessage) or (
+        isinstance(before, AIMessage) and bool(before.tool_calls or before.invalid_tool_calls)
+    )
+    return last_turn if cut_short else last_turn + 1
+
+
 def last_ai(messages: Sequence[BaseMessage]) -> AIMessage | None:
     """The last message when it is an AI message."""
     if messages and isinstance(messages[-1], AIMessage):

@@ -8,5 +8,6 @@ a tool call (the ``ToolNode`` hook) and a run (``run_queue``).
 
 - ``switch``: the process's telemetry (``ACTIVE``), turned on by ``build_graph`` from the settings
 - ``metrics``: the Prometheus metrics, counted from each inference's record
+- ``endpoint``: ``/metrics`` on ``metrics_host:metrics_port``: one thread, bounded idle connections
 - ``traces``: the OpenTelemetry spans (GenAI semantic conventions, and the routing decision)
 """

@@ -19,22 +19,32 @@ runs the API's store middleware before the Postgres pool starts (langgraph-api
 
 Every label value comes from a record (provider ids, legs, kinds, boxes), scrubbed
 of the operator's secrets; none grows with the traffic (no thread or run ids).
+The ``box`` label is the one value that may come from outside: a gateway names
+the box that served in a response header, which any server on the local URL may
+send with any text in it. So it is only ever a box the operator configured
+(``local_workers``, gathered by ``Metrics.know_boxes``), ``other`` for a record
+that names any other box, or the answering provider's id where the record names
+none or no box is configured in the process.
+
+Served by ``endpoint.MetricsEndpoint`` (one thread, bounded connections), not
+prometheus-client's thread-per-connection server.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fusion_graph.redact import scrub_repeated as scrub
 from fusion_graph.routing.records import RouteRecord, placement_of
 from fusion_graph.routing.score import score_band
+from fusion_graph.telemetry.endpoint import MetricsEndpoint
 
 if TYPE_CHECKING:
     from prometheus_client import Metric
@@ -46,6 +56,16 @@ class Watched(Protocol):
     def health_states(self) -> Mapping[str, str]:
         """Each provider's circuit state now, by provider id."""
         ...
+
+
+#: The ``box`` label of a box a gateway named that no configured ``local_workers`` entry is.
+OTHER_BOX = "other"
+
+
+def box_label(url: str) -> str:
+    """A box's URL as a gateway names it and as the ``box`` label shows it: no trailing ``/`` or ``/v1``."""
+    url = url.strip().rstrip("/")
+    return url.removesuffix("/v1")
 
 
 #: Every metric's name, for the dashboard test and the docs (the ``_total`` suffix as scraped).
@@ -178,12 +198,13 @@ class Metrics:
         )
         self.placements = counter(
             "fusion_placements",
-            "Local inferences by placement: shared lease, guest, in-process, in-process fallback",
+            "Local inferences by placement: shared lease, guest, in-process, unplaced (no slot named)",
             ("placement",),
         )
         self.memory_jobs = counter(
             "fusion_memory_jobs",
-            "Memory jobs by outcome: stored, or dropped (no valid answer, a store write failed, taken over)",
+            "Memory jobs by outcome: stored, dropped (no valid answer, a store write failed, taken over), "
+            "or pending (stopped before it finished, e.g. at exit: the thread's next turn runs it)",
             ("outcome",),
         )
         self.shadows = counter(
@@ -191,6 +212,8 @@ class Metrics:
             "Shadow checks by the step's score band and whether cloud acted as local did",
             ("band", "agrees"),
         )
+        #: The ``box`` label values a gateway's header may give (``know_boxes``).
+        self.boxes: frozenset[str] = frozenset()
         self.cooldowns = _Cooldowns()
         self.shared_states = _SharedState()
         self.pending_memory = _PendingMemory()
@@ -213,9 +236,33 @@ class Metrics:
         """Report ``shared``'s failed operations (held weakly)."""
         self.shared_states.states.add(shared)
 
-    def serve(self, port: int) -> None:
-        """Serve ``/metrics`` of this registry on ``port`` (a daemon thread; an embedded app's)."""
-        start_http_server(port, registry=self.registry)
+    def know_boxes(self, urls: Iterable[str]) -> None:
+        """Add configured boxes (``local_workers``) to the ``box`` label's values (every graph's add up)."""
+        self.boxes |= {box_label(url) for url in urls if url.strip()}
+
+    def box(self, record: RouteRecord, provider: str) -> str:
+        """The ``box`` label of an answered record: a configured box, ``other``, or ``provider``.
+
+        The gateway's header is text from the network (any server on the local URL
+        may send it, with a key or a prompt in it): only a value naming a configured
+        box becomes a label, anything else is ``other``; without a header, or with no
+        box configured (llama-server itself is the local endpoint), the provider id.
+        """
+        named = record["extra"].get("box")
+        if not isinstance(named, str) or not named or not self.boxes:
+            return provider
+        box = box_label(named)
+        return scrub(box) if box in self.boxes else OTHER_BOX
+
+    def serve(self, host: str, port: int) -> MetricsEndpoint:
+        """Serve ``/metrics`` of this registry on ``host:port`` from one daemon thread (``endpoint``).
+
+        Raises:
+            OSError: The address cannot be bound (the port is taken).
+        """
+        endpoint = MetricsEndpoint(self.registry, host, port)
+        endpoint.start()
+        return endpoint
 
     def observe(self, record: RouteRecord, all_cloud_usd: float | None) -> None:
         """Count one inference's record (``all_cloud_usd``: its cost on the cloud link, when priced)."""
@@ -238,7 +285,7 @@ class Metrics:
             self.cost.labels(kind, leg, provider).inc(cost)
             if all_cloud_usd is not None:
                 self.all_cloud.labels(kind).inc(all_cloud_usd)
-        box = scrub(str(record["extra"].get("box") or provider))
+        box = self.box(record, provider)
         for kind_of, value in (
             ("prompt", record["prompt_tokens"]),
             ("cached", record["cached_tokens"]),
@@ -254,6 +301,10 @@ class Metrics:
     def job(self, record: RouteRecord) -> None:
         """Count a memory job by the outcome its last record says (``stored`` or ``dropped``)."""
         self.memory_jobs.labels(str(record["extra"].get("outcome", "dropped"))).inc()
+
+    def job_pending(self) -> None:
+        """Count a memory job stopped before it finished: left ``pending``, not ``dropped``."""
+        self.memory_jobs.labels("pending").inc()
 
     def shadow(self, record: RouteRecord) -> None:
         """Count a finished shadow check by its step's score band and whether cloud agreed."""

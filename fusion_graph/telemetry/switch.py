@@ -4,6 +4,11 @@ Prometheus metrics and an OpenTelemetry tracer provider belong to a process,
 not to one graph, so the switch is process-wide: once a graph turned them on,
 every graph of the process counts into the same metrics. What the hooks report
 is already in each inference's record (scrubbed of the operator's secrets).
+
+For the same reason one process serves one ``/metrics`` address: a graph whose
+``metrics_host``/``metrics_port`` differs from the address already served is
+refused with an error naming that address, not left unserved without a word
+(its inferences are counted there anyway, in the one registry).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from fusion_graph.routing.records import RouteRecord
 
 if TYPE_CHECKING:
     from fusion_graph.settings import FusionSettings
+    from fusion_graph.telemetry.endpoint import MetricsEndpoint
     from fusion_graph.telemetry.metrics import Failing, Metrics, Watched
     from fusion_graph.telemetry.traces import Traces
 
@@ -30,11 +36,16 @@ INSTALL_HINT = "pip install 'fusion-graph[telemetry]'"
 
 @dataclass
 class Telemetry:
-    """What is on in this process: the metrics, the traces (``None``: off)."""
+    """What is on in this process: the metrics, the traces, the ``/metrics`` endpoint (``None``: off)."""
 
     metrics: Metrics | None = None
     traces: Traces | None = None
-    served_port: int | None = None
+    endpoint: MetricsEndpoint | None = None
+
+    @property
+    def served_port(self) -> int | None:
+        """The port ``/metrics`` is served on by this process (``None``: not served by fusion-graph)."""
+        return self.endpoint.port if self.endpoint is not None else None
 
     @property
     def on(self) -> bool:
@@ -51,7 +62,8 @@ def configure(settings: FusionSettings) -> None:
 
     Raises:
         ProviderConfigError: ``metrics`` or ``traces`` is on and the 'telemetry' extra is missing,
-            or ``metrics_port`` cannot be served.
+            or ``metrics_host:metrics_port`` cannot be served, or differs from the address this
+            process already serves.
     """
     if settings.metrics and ACTIVE.metrics is None:
         try:
@@ -59,16 +71,10 @@ def configure(settings: FusionSettings) -> None:
         except ImportError as error:
             raise ProviderConfigError(f"FUSION_METRICS needs prometheus-client: {INSTALL_HINT}") from error
         ACTIVE.metrics = Metrics.process()
-    if settings.metrics and settings.metrics_port is not None and ACTIVE.served_port is None:
-        assert ACTIVE.metrics is not None
-        try:
-            ACTIVE.metrics.serve(settings.metrics_port)
-        except OSError as error:
-            raise ProviderConfigError(
-                f"cannot serve /metrics on FUSION_METRICS_PORT={settings.metrics_port}: {error} "
-                "(one port per process: give each worker its own, or scrape the server's http app)"
-            ) from error
-        ACTIVE.served_port = settings.metrics_port
+    if settings.metrics and ACTIVE.metrics is not None:
+        ACTIVE.metrics.know_boxes(settings.local_workers)  # the box label's only values
+        if settings.metrics_port is not None:
+            _serve(ACTIVE.metrics, settings.metrics_host, settings.metrics_port)
     if settings.traces and ACTIVE.traces is None:
         try:
             from fusion_graph.telemetry.traces import Traces
@@ -77,9 +83,42 @@ def configure(settings: FusionSettings) -> None:
         ACTIVE.traces = Traces.start()
 
 
+def _address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _serve(metrics: Metrics, host: str, port: int) -> None:
+    """Serve ``/metrics`` on ``host:port`` once per process; a graph asking for another address is refused.
+
+    Raises:
+        ProviderConfigError: The address cannot be bound, or this process already serves another.
+    """
+    served = ACTIVE.endpoint
+    if served is not None:
+        if (served.host, served.port) == (host, port):
+            return  # another graph of this process, the same settings
+        raise ProviderConfigError(
+            f"FUSION_METRICS_HOST/FUSION_METRICS_PORT={_address(host, port)}: this process already serves "
+            f"/metrics on {_address(served.host, served.port)} (one registry per process, so one address; "
+            "its inferences are counted there): give every graph of a process the same address"
+        )
+    try:
+        ACTIVE.endpoint = metrics.serve(host, port)
+    except OSError as error:
+        raise ProviderConfigError(
+            f"cannot serve /metrics on {_address(host, port)} (FUSION_METRICS_HOST/FUSION_METRICS_PORT): "
+            f"{error}. One port per process: give each worker process its own FUSION_METRICS_PORT, or "
+            "leave FUSION_METRICS_PORT empty where the app already serves prometheus-client's default "
+            "registry (the metrics are in it)"
+        ) from error
+
+
 def reset() -> None:
-    """Everything off (tests; an app that shuts its graphs down)."""
-    ACTIVE.metrics, ACTIVE.traces, ACTIVE.served_port = None, None, None
+    """Everything off, the ``/metrics`` endpoint closed (tests; an app that shuts its graphs down)."""
+    if ACTIVE.endpoint is not None:
+        ACTIVE.endpoint.close()
+    ACTIVE.metrics, ACTIVE.traces, ACTIVE.endpoint = None, None, None
 
 
 def inference(
@@ -127,6 +166,12 @@ def job_finished(record: RouteRecord) -> None:
     """Count a memory job from its last record (its outcome is known only once it is stored)."""
     if ACTIVE.metrics is not None:
         ACTIVE.metrics.job(record)
+
+
+def job_left_pending() -> None:
+    """Count a memory job stopped before it finished (its log entry stays pending; never ``dropped``)."""
+    if ACTIVE.metrics is not None:
+        ACTIVE.metrics.job_pending()
 
 
 def shadow_checked(record: RouteRecord) -> None:

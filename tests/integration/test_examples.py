@@ -14,15 +14,23 @@ EXAMPLE = ROOT / "examples" / "quickstart.py"
 
 
 def run_example(
-    example: Path, where: Path, cloud_url: str, local_url: str, **more: str
+    example: Path,
+    where: Path,
+    cloud_url: str,
+    local_url: str,
+    *,
+    openai_key: str | None = "sk-example-key-000000",
+    **more: str,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``example`` in ``where`` as a newcomer would, against these servers (no other FUSION_ setting)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")} | {
-        "OPENAI_API_KEY": "sk-example-key-000000",
-        "FUSION_CLOUD_BASE_URL": cloud_url,
-        "FUSION_LOCAL_BASE_URL": local_url,
-        **more,
-    }
+    """Run ``example`` in ``where`` as a newcomer would, against these servers (no other FUSION_ setting).
+
+    ``openai_key``: the ``OPENAI_API_KEY`` it finds; ``None`` leaves that variable unset (a key
+    given another way, ``FUSION_CLOUD_API_KEY`` in ``more``).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_") and k != "OPENAI_API_KEY"}
+    if openai_key is not None:
+        env["OPENAI_API_KEY"] = openai_key
+    env |= {"FUSION_CLOUD_BASE_URL": cloud_url, "FUSION_LOCAL_BASE_URL": local_url, **more}
     return subprocess.run(
         [sys.executable, str(example)], cwd=where, env=env, capture_output=True, text=True, timeout=120
     )
@@ -73,3 +81,23 @@ def test_the_create_agent_example_routes_each_model_call(tmp_path: Path) -> None
     assert lines[1].startswith("0 plan cloud -> cloud")
     assert any(line.startswith("1 step local -> local") for line in lines)
     assert len(slots) == 1 and None not in slots  # the local call carried the thread's slot
+
+
+def test_the_create_agent_example_takes_the_key_the_settings_take(tmp_path: Path) -> None:
+    """``FUSION_CLOUD_API_KEY`` alone (the docs allow it): the agent's own model has the key too."""
+    plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
+    key = "sk-fusion-setting-key-0000"
+    with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="Listed.")]) as local:
+        done = run_example(
+            AGENT_EXAMPLE,
+            tmp_path,
+            cloud.base_url,
+            local.base_url,
+            openai_key=None,
+            FUSION_CLOUD_API_KEY=key,
+            FUSION_LOCAL_SLOTS="4",
+        )
+        sent = [headers.get("authorization") for headers in cloud.request_headers]
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "Listed."
+    assert sent == [f"Bearer {key}"]

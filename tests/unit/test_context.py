@@ -164,7 +164,9 @@ def test_assignment_is_validated() -> None:
 
 def test_ensure_context() -> None:
     given = FusionContext(cloud_share=40)
-    assert ensure_context(given) is given
+    assert ensure_context(given) == given
+    resolved = ensure_context(given)
+    assert ensure_context(resolved) is resolved, "a resolved context is taken as it is"
     assert ensure_context(None) == FusionContext()
     assert ensure_context({"mode": "local"}).mode == "local"
     with pytest.raises(ContextError, match="mode"):
@@ -264,3 +266,63 @@ def test_the_pace_is_off_by_default_and_checked() -> None:
     assert FusionContext(pace_slack="1.5").pace_slack == 1.5  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"between 0\.5 and 100"):
         FusionContext(pace_slack=0.2)
+
+
+# ------------------------------------------------------------------------ a FusionContext over the defaults
+
+
+async def test_a_context_object_takes_the_run_defaults_for_the_fields_it_leaves_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
+    from tests.plugins.served import graph_over
+
+    monkeypatch.setenv("FUSION_MAX_COMPLETION_TOKENS", "32")
+    monkeypatch.setenv("FUSION_MODE", "cloud")
+    with FakeOpenAI([]) as cloud, FakeOpenAI([Reply(content="one"), Reply(content="two")]) as local:
+        graph = graph_over(cloud, local)
+        left_out = FusionContext(mode="local", sub_runners="off")
+        await graph.ainvoke(user_input("hi"), {"configurable": {"thread_id": "a"}}, context=left_out)
+        chosen = FusionContext(mode="local", sub_runners="off", max_completion_tokens=4096)
+        await graph.ainvoke(user_input("hi"), {"configurable": {"thread_id": "b"}}, context=chosen)
+    # The default the object left out comes from FUSION_MAX_COMPLETION_TOKENS, as for a dict (sent as
+    # max_tokens, which langchain-openai writes max_completion_tokens); the mode it set overrides
+    # FUSION_MODE; a value it set, even the built-in default, is kept.
+    assert [body["max_completion_tokens"] for body in local.requests] == [32, 4096]
+    assert cloud.requests == []
+    assert (left_out.max_completion_tokens, left_out.mode) == (4096, "local"), (
+        "the caller's object is unchanged"
+    )
+
+
+def test_an_object_and_a_dict_resolve_alike_and_an_assigned_field_is_the_callers() -> None:
+    defaults = {"max_completion_tokens": 32, "cloud_share": 55, "mode": "cloud"}
+    as_object = ensure_context(FusionContext(mode="local"), defaults)
+    assert as_object == ensure_context({"mode": "local"}, defaults)
+    assert (as_object.mode, as_object.cloud_share, as_object.max_completion_tokens) == ("local", 55, 32)
+    assigned = FusionContext()
+    assigned.cloud_share = 30  # the built-in default, set on purpose: it stays
+    assert ensure_context(assigned, defaults).cloud_share == 30
+    assert ensure_context(assigned, defaults).max_completion_tokens == 32
+    resolved = ensure_context(FusionContext(mode="local"), defaults)
+    assert ensure_context(resolved, {"cloud_share": 1}) is resolved, (
+        "a resolved context meets no later defaults"
+    )
+
+
+def test_an_empty_run_default_means_the_built_in_one_from_the_environment_and_dotenv(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from fusion_graph.context import context_defaults
+
+    monkeypatch.chdir(tmp_path)
+    empty = {f"FUSION_{key.upper()}": "" for key in ENV_KEYS.values()}
+    assert context_defaults(empty) == {}
+    (tmp_path / ".env").write_text(
+        "FUSION_CONVERSATION_MAX_TOKENS=\nFUSION_CLOUD_SHARE=\nFUSION_MAX_STEPS=7\nFUSION_HYSTERESIS=4\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("FUSION_HYSTERESIS", "6")  # the environment wins over .env
+    monkeypatch.setenv("FUSION_SYSTEM_PROMPT", "")
+    assert context_defaults() == {"max_steps": 7, "hysteresis": 6}
+    assert ensure_context(None).system_prompt == prompts.SYSTEM_PROMPT

@@ -224,8 +224,8 @@ def _listed_models(settings: FusionSettings, url: str, code: int, response: http
         return Check(
             "cloud endpoint",
             "warn",
-            f"GET {url} answered {code}, but its {count(len(ids), 'model')} do not include "
-            f"{', '.join(missing)}",
+            f"GET {url} answered {code}, but its {count(len(ids), 'model')} "
+            f"{'does' if len(ids) == 1 else 'do'} not include {', '.join(missing)}",
             "check FUSION_CLOUD_MODEL / FUSION_CLOUD_MODELS against the provider's model names",
         )
     listed = f" ({count(len(ids), 'model')}, {settings.cloud_model} among them)" if ids else ""

@@ -9,7 +9,7 @@ import pytest
 
 from fusion_graph.cli.app import app
 from fusion_graph.cli.checks import unknown_variables
-from fusion_graph.settings import FusionSettings
+from fusion_graph.settings import DEFAULT_SECRET_FILES, FusionSettings
 from tests.unit.cli.test_traces import runner
 
 
@@ -40,7 +40,7 @@ def test_a_bad_setting_in_the_environment_is_one_line_naming_it(
 
 
 def test_a_bad_setting_in_dot_env_says_it_came_from_there(tmp_path: Path) -> None:
-    (tmp_path / ".env").write_text("FUSION_LOCAL_SLOTS=\n", encoding="utf-8")
+    (tmp_path / ".env").write_text("FUSION_LOCAL_SLOTS=lots\n", encoding="utf-8")
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 2
     [line] = result.stderr.strip().splitlines()
@@ -55,8 +55,10 @@ def test_list_settings_take_plain_comma_separated_items_or_json(monkeypatch: pyt
     assert settings.cloud_models == ("gpt-4o", "gpt-4.1")
     assert settings.local_workers == ("http://a:8080", "http://b:8080")
     assert settings.secret_files == (".env", "*.pem")
+    monkeypatch.setenv("FUSION_SECRET_FILES", "[]")
+    assert FusionSettings().secret_files == ()  # [] clears the list (the docs' way)
     monkeypatch.setenv("FUSION_SECRET_FILES", "")
-    assert FusionSettings().secret_files == ()  # empty: none (the docs' way to clear the list)
+    assert FusionSettings().secret_files == DEFAULT_SECRET_FILES  # empty means the default, as everywhere
 
 
 def test_a_misspelt_variable_is_named_with_the_one_meant(
