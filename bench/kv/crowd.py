@@ -149,8 +149,9 @@ async def replay(
     steps_per_turn: int,
     slots: int,
     answer_tokens: int | None = None,
+    at_once: int | None = None,
 ) -> tuple[list[PlacedStep], float, list[Exchange]]:
-    """Every turn, round robin, ``slots`` at a time; a thread's turns in order.
+    """Every turn, round robin, ``at_once`` (default ``slots``) at a time; a thread's turns in order.
 
     The steps, the seconds, and (``answer_tokens``: that many greedy tokens each, with their top 3)
     every local request with its answer.
@@ -217,7 +218,7 @@ async def replay(
                 done[(i, k)].set()
 
         started = time.perf_counter()
-        await asyncio.gather(*(serve() for _ in range(slots)))
+        await asyncio.gather(*(serve() for _ in range(at_once or slots)))
     return out, time.perf_counter() - started, exchanges
 
 
@@ -259,6 +260,7 @@ def run_one(
     home_wait_s: float | None = None,
     alone_url: str | None = None,
     answer_tokens: int = ANSWER_TOKENS,
+    all_at_once: bool = False,
 ) -> dict[str, Any]:
     """One variant on fresh boxes, workers and database; its leaf (``home_wait_s``: the workers' setting).
 
@@ -305,6 +307,7 @@ def run_one(
                     steps_per_turn=steps_per_turn,
                     slots=slots,
                     answer_tokens=answer_tokens if alone_url is not None else None,
+                    at_once=len(plans) if all_at_once else None,
                 )
             )
         except (RuntimeError, httpx.HTTPError) as error:
@@ -462,6 +465,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="send every local answer again alone to a server with no host cache and count the divergent",
     )
     parser.add_argument(
+        "--all-at-once",
+        action="store_true",
+        help="serve every thread's turns at once (threads >> slots in flight: guests), not as many "
+        "turns at once as there are slots",
+    )
+    parser.add_argument(
         "--answer-tokens",
         type=int,
         default=ANSWER_TOKENS,
@@ -529,6 +538,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 steps_per_turn=args.steps_per_turn,
                 alone_url=alone_url,
                 answer_tokens=args.answer_tokens,
+                all_at_once=args.all_at_once,
                 slots=args.slots,
                 cluster=cluster,
                 home_wait_s=args.home_wait,
@@ -550,7 +560,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "local_steps": args.local_steps,
         "steps_per_turn": args.steps_per_turn,
         "turn_order": "round robin: every thread's turn k before any thread's turn k+1, "
-        f"{args.slots} turns at once; thread i's turn k on worker (i + k) % N, released at its end",
+        f"{'every thread' if args.all_at_once else args.slots} turns at once; thread i's turn k on worker "
+        "(i + k) % N, released at its end",
         "cloud_share": args.cloud_share,
         "box_flags": {f: [*BOX_FLAGS[f], "--cache-ram (llama-server's default)"] for f in args.flags},
         "slot_warm_up": "none by hand: the placement warms each box's empty slots on first contact",

@@ -221,3 +221,8 @@ class LocalLeases:
                 if lease.holder == holder and lease.expires > now:
                     return box
         return None
+
+
+#: This process's lease table, shared by every graph built in it (pools are keyed by the local
+#: endpoint, so two graphs over one llama-server keep their threads on distinct slots).
+LOCAL_LEASES = LocalLeases()

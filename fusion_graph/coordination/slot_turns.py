@@ -121,3 +121,8 @@ class SlotTurns:
 def _wake(woken: asyncio.Future[None]) -> None:
     if not woken.done():
         woken.set_result(None)
+
+
+#: The turns of this whole process: every graph in it that sends to a box takes turns on its slots
+#: here (two graphs built over one llama-server must not name one slot at once either).
+TURNS = SlotTurns()

@@ -44,7 +44,7 @@ from langchain_core.language_models import BaseChatModel
 
 from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
 from fusion_graph.coordination.slot_leases import LeaseAsk, SlotClaim
-from fusion_graph.coordination.slot_turns import SlotTurns
+from fusion_graph.coordination.slot_turns import TURNS, SlotTurns
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ServerProps, slot_states, warm_slot
 from fusion_graph.providers.slots import SlotPool, box_name, routing_key
@@ -274,17 +274,18 @@ class LeasedPlacement:
         *,
         boxes: tuple[str, ...],
         box_model: BoxModel | None,
+        turns: SlotTurns = TURNS,
     ) -> None:
         """Lease slots in ``table`` over ``boxes`` (base URLs); ``box_model`` reaches one directly.
 
         ``slots`` says how many slots a local server has (``local_slots`` or its
-        ``/props``) and which headers a request carries.
+        ``/props``) and which headers a request carries; ``turns``: the process's own.
         """
         self.table, self.slots = table, slots
         self.shared = table if isinstance(table, SharedState) else None
         self.boxes = tuple(box_name(box) for box in boxes)
         self.box_model = box_model
-        self.turns = SlotTurns()
+        self.turns = turns
         self._held: dict[tuple[str, str], tuple[SlotClaim, float]] = {}
         self._lock = threading.Lock()
         self._unnamed = 0

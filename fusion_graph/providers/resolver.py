@@ -22,7 +22,7 @@ from langchain_core.language_models import BaseChatModel
 
 from fusion_graph.context import FusionContext
 from fusion_graph.coordination.shared_state import SharedState
-from fusion_graph.coordination.slot_leases import LocalLeases
+from fusion_graph.coordination.slot_leases import LOCAL_LEASES
 from fusion_graph.errors import Closed, ContextError, ProviderConfigError, UsageError
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.discovery import LocalServers
@@ -125,7 +125,7 @@ class ProviderResolver:
         #: and slot turns, in this process's table, or the deployment's when shared; over several
         #: boxes, straight to the box the lease names.
         self.placement: Placer = LeasedPlacement(
-            LocalLeases(), self.local_slots, boxes=boxes, box_model=box_model
+            LOCAL_LEASES, self.local_slots, boxes=boxes, box_model=box_model
         )
         #: What the deployment's worker processes share (``shared_state="postgres"``), else ``None``.
         self.shared: SharedState | None = None
