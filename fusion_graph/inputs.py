@@ -8,13 +8,22 @@ thread as it was.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage, convert_to_messages
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    HumanMessage,
+    RemoveMessage,
+    ToolMessage,
+    convert_to_messages,
+)
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.store.memory import InMemoryStore
+from langgraph.types import Command
 
 from fusion_graph.errors import IdentityRefused, InvalidInput, InvalidThreadId
 
@@ -159,11 +168,90 @@ def check_tool_results(messages: Sequence[BaseMessage]) -> None:
             )
 
 
-def check_input(input: Any, max_chars: int | None = None) -> None:
-    """Refuse graph input that carries no new user message, or more than ``max_chars`` of text.
+def input_messages(input: Any) -> list[BaseMessage] | None:
+    """The messages a run's input would add to the thread; ``None``: it adds none (a plain resume).
 
-    ``None`` and ``Command`` resume a thread and pass.
+    A dict's ``messages``, or those of a ``Command(update=...)`` (a dict or
+    ``(key, value)`` pairs): LangGraph applies either through the thread's
+    ``add_messages`` reducer, so both can edit its history.
     """
+    raw: Any = None
+    if isinstance(input, dict):
+        raw = input.get("messages")
+    elif isinstance(input, Command):
+        update: Any = input.update
+        if isinstance(update, dict):
+            raw = update.get("messages")
+        elif isinstance(update, list | tuple):
+            values = [
+                pair[1]
+                for pair in update
+                if isinstance(pair, tuple | list) and len(pair) == 2 and pair[0] == "messages"
+            ]
+            raw = [m for value in values for m in (value if isinstance(value, list) else [value])] or None
+    if raw is None:
+        return None
+    return convert_to_messages(raw if isinstance(raw, list) else [raw])
+
+
+def check_history_edits(
+    input: Any, existing_ids: Collection[str] | None = None, *, allowed: bool = False
+) -> None:
+    """Refuse run input that would rewrite the thread's history instead of adding to it.
+
+    ``add_messages`` replaces a message whose id is already in the thread (a
+    ``HumanMessage`` carrying an earlier answer's id overwrites that answer) and
+    applies ``RemoveMessage`` (``REMOVE_ALL_MESSAGES`` wipes the thread). Under a
+    server the run input is untrusted, so both are refused unless the operator
+    allows them (``allow_history_edits``). Only the caller's input is checked:
+    the graph's own updates (compaction, tool results, memory) never pass here.
+
+    Args:
+        input: The run's input (a dict, a ``Command``, ``None``).
+        existing_ids: The ids of the thread's messages before the run; ``None``
+            skips the id check (the thread was not read yet).
+        allowed: The operator's ``allow_history_edits``: nothing is refused.
+
+    Raises:
+        InvalidInput: The input removes a message or reuses a thread message's id (nothing was written).
+    """
+    if allowed:
+        return
+    messages = input_messages(input) or []
+    for message in messages:
+        if isinstance(message, RemoveMessage):
+            what = "every message of the thread" if message.id == REMOVE_ALL_MESSAGES else repr(message.id)
+            raise InvalidInput(
+                f"the input removes {what} (a RemoveMessage): run input may only add messages to a "
+                "thread, not rewrite its history; nothing was written (the operator may allow it with "
+                "FUSION_ALLOW_HISTORY_EDITS=true)"
+            )
+    if not existing_ids:
+        return
+    for message in messages:
+        if message.id is not None and str(message.id) in existing_ids:
+            raise InvalidInput(
+                f"the input's {type(message).__name__} has the id {str(message.id)!r} of a message "
+                "already in the thread, which it would replace: run input may only add messages to a "
+                "thread, not rewrite its history; send it without an id (or with a new one); nothing was "
+                "written (the operator may allow it with FUSION_ALLOW_HISTORY_EDITS=true)"
+            )
+
+
+def check_input(
+    input: Any,
+    max_chars: int | None = None,
+    *,
+    existing_ids: Collection[str] | None = None,
+    allow_history_edits: bool = False,
+) -> None:
+    """Refuse graph input that carries no new user message, more than ``max_chars`` of text, or edits history.
+
+    ``None`` and ``Command(resume=...)`` resume a thread and pass; a
+    ``Command`` that updates ``messages`` is checked for history edits
+    (``check_history_edits``, against ``existing_ids`` when given).
+    """
+    check_history_edits(input, existing_ids, allowed=allow_history_edits)
     if input is None or not isinstance(input, dict):
         return  # resume (None), Command(resume=...), or a type LangGraph itself rejects
     raw: Any = input.get("messages")

@@ -8,6 +8,12 @@ state (``shared_state="postgres"``) a run also holds the thread's lock in the
 deployment's Postgres, so a run of the thread in another process on the same
 checkpointer is refused (``ThreadBusy``) before anything is written. Input that cannot start a turn is refused
 before anything is written or sent to a model.
+
+The queue is keyed by the checkpoint store, not the saver object: two graphs
+with savers of their own on one SQLite file share it (``store_key``). Every run
+gets at least the operator's durability (``sync``: a step's checkpoint is saved
+before the next step starts, ``run_durability``), and input that would rewrite
+the thread's history is refused unless the operator allows it.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterator
 from typing import Any, TypeVar
 
 from langchain_core.messages import AIMessageChunk, BaseMessage, BaseMessageChunk
@@ -30,7 +38,13 @@ from pydantic import TypeAdapter
 from fusion_graph.context import FusionContext, ensure_context
 from fusion_graph.coordination.shared_state import SharedStateUnavailable
 from fusion_graph.errors import InvalidInput, SyncInEventLoop, ThreadBusy
-from fusion_graph.inputs import check_identity, check_input, check_thread_id
+from fusion_graph.inputs import (
+    check_history_edits,
+    check_identity,
+    check_input,
+    check_thread_id,
+    input_messages,
+)
 from fusion_graph.internals import reclass
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.redact import StreamScrubber, registered_secrets, scrub_content, scrub_known
@@ -44,18 +58,18 @@ THREAD_WAIT_S = 5.0
 
 
 class _Gates:
-    """Per-(event loop, checkpointer, thread) locks, dropped when no run holds or awaits them."""
+    """Per-(event loop, checkpoint store, thread) locks, dropped when no run holds or awaits them."""
 
     def __init__(self) -> None:
-        self._locks: dict[tuple[int, int, str], tuple[asyncio.Lock, int]] = {}
+        self._locks: dict[tuple[int, Hashable, str], tuple[asyncio.Lock, int]] = {}
 
-    def acquire_key(self, key: tuple[int, int, str]) -> asyncio.Lock:
+    def acquire_key(self, key: tuple[int, Hashable, str]) -> asyncio.Lock:
         """The lock of ``key``, counting this run as a user until ``release_key``."""
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         return lock
 
-    def release_key(self, key: tuple[int, int, str]) -> None:
+    def release_key(self, key: tuple[int, Hashable, str]) -> None:
         """One user fewer; the lock is dropped with its last user."""
         lock, users = self._locks[key]
         if users <= 1:
@@ -66,6 +80,92 @@ class _Gates:
 
 _GATES = _Gates()
 T = TypeVar("T")
+#: Each saver's store key (``store_key``), found once per saver object.
+_STORE_KEYS: weakref.WeakKeyDictionary[Any, Hashable] = weakref.WeakKeyDictionary()
+
+
+async def store_name(saver: Any) -> str:
+    """Where ``saver`` keeps its threads, the same in every process that reaches that store.
+
+    A SQLite file (its resolved path), a Postgres database (host, port and name),
+    and ``""`` for none (a LangGraph server brings its own, one per deployment);
+    any other saver is this process's own (an in-memory saver holds no thread
+    another process could run). Names the run lock of a thread across processes.
+    """
+    if saver is None:
+        return ""
+    key = await store_key(saver)
+    if isinstance(key, tuple) and key and key[0] == "sqlite":
+        return f"sqlite:{key[1]}"
+    conn: Any = getattr(saver, "conn", None)
+    info = getattr(conn, "info", None)  # a psycopg connection
+    if info is not None and type(conn).__module__.startswith("psycopg"):
+        return f"postgres:{info.host}:{info.port}/{info.dbname}"
+    conninfo = getattr(conn, "conninfo", None)  # a psycopg_pool pool
+    if isinstance(conninfo, str) and type(conn).__module__.startswith("psycopg"):
+        from psycopg.conninfo import conninfo_to_dict
+
+        parts = conninfo_to_dict(conninfo)
+        return f"postgres:{parts.get('host', '')}:{parts.get('port', '')}/{parts.get('dbname', '')}"
+    return f"process:{os.getpid()}:{id(saver)}"
+
+
+async def store_key(saver: Any) -> Hashable:
+    """What a thread's run queue is keyed by: the checkpoint store ``saver`` writes to.
+
+    Two savers on one SQLite file (two graphs, each with its own
+    ``AsyncSqliteSaver``) hold the same threads: keyed by the saver object, two
+    runs of one thread through them would each write a child of the same
+    checkpoint, and one turn would silently drop out of the thread's history.
+    So a SQLite saver is keyed by its database file (as SQLite reports it,
+    symlinks resolved); any other saver, and an in-memory SQLite database, by
+    the object itself.
+    """
+    try:
+        return _STORE_KEYS[saver]
+    except (KeyError, TypeError):
+        pass
+    key: Hashable = ("saver", id(saver))
+    conn: Any = getattr(saver, "conn", None)
+    if type(conn).__module__.startswith("aiosqlite"):
+        try:
+            async with conn.execute("PRAGMA database_list") as cursor:
+                rows = await cursor.fetchall()
+        except Exception as error:  # noqa: BLE001 - unreadable now: this run queues per saver, as before
+            logger.debug("the SQLite saver's database file is unknown (%s): its runs queue per saver", error)
+            return key  # not remembered: the next run asks again
+        path = next((str(row[2]) for row in rows if row[1] == "main"), "")
+        if path:  # "" for an in-memory or temporary database: only this saver reaches it
+            key = ("sqlite", await asyncio.to_thread(os.path.realpath, path))
+    with contextlib.suppress(TypeError):  # a saver that takes no weak reference is looked up again
+        _STORE_KEYS[saver] = key
+    return key
+
+
+#: LangGraph's durability modes, least durable first.
+_DURABILITY = ("exit", "async", "sync")
+
+
+def run_durability(kwargs: dict[str, Any], least: str) -> str:
+    """The durability a run gets: what it asked for, but at least ``least``; pops both run arguments.
+
+    What it asked for is ``durability``, or the older ``checkpoint_during``
+    (a LangGraph server may pass either; LangGraph refuses both at once). Under
+    a server the run's parameters are the caller's, and the server asks for
+    ``async`` unless told otherwise: the operator's floor
+    (``FusionSettings.durability``, ``sync`` by default) is the least it gets, so
+    a step's checkpoint is saved before the next step starts and a finished tool
+    call's saved result is never lost with the checkpoint it belongs to (under
+    ``async`` a task's write can land before that checkpoint does, and a crash
+    in between loses both: the calls run again on resume).
+    """
+    asked = kwargs.pop("durability", None)
+    during = kwargs.pop("checkpoint_during", None)
+    if asked is None and during is not None:
+        asked = "async" if during else "exit"
+    if asked not in _DURABILITY:
+        return least
+    return str(max(asked, least, key=_DURABILITY.index))
 
 
 class _SyncLoop:
@@ -191,7 +291,8 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
         """``CompiledStateGraph.astream`` (and so ``ainvoke``), one run per thread at a time."""
-        check_input(input, self.memory_runs.resolver.settings.max_input_chars)
+        settings = self.memory_runs.resolver.settings
+        check_input(input, settings.max_input_chars, allow_history_edits=settings.allow_history_edits)
         check_identity(config)
         saver = self.checkpointer if isinstance(self.checkpointer, BaseCheckpointSaver) else None
         # An id the savers cannot write is refused here, not by their first write (a bare encoding error).
@@ -212,18 +313,37 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         thread = (config or {}).get("configurable", {}).get("thread_id")
         if input is None:
             await self._check_resumable(config, thread)
+        if saver is not None:
+            kwargs["durability"] = run_durability(kwargs, settings.durability)
         if thread is None or self.checkpointer is None:
             async for chunk in self._released(input, config, thread, **kwargs):
                 yield chunk
             return
-        key = (id(asyncio.get_running_loop()), id(self.checkpointer), str(thread))
+        key = (id(asyncio.get_running_loop()), await store_key(self.checkpointer), str(thread))
         lock = _GATES.acquire_key(key)
         try:
             async with lock, self._across_processes(str(thread)):
+                # Inside the queue: the thread's messages as this run will find them.
+                await self._check_history_edits(input, config)
                 async for chunk in self._released(input, config, thread, **kwargs):
                     yield chunk
         finally:
             _GATES.release_key(key)
+
+    async def _check_history_edits(self, input: Any, config: RunnableConfig | None) -> None:
+        """Refuse input reusing the id of a message already in the thread (it would replace it).
+
+        The thread is read only when an input message carries an id (Studio and
+        the SDK set one; ``("user", "...")`` has none), and never when the
+        operator allows history edits.
+        """
+        if self.memory_runs.resolver.settings.allow_history_edits:
+            return
+        if not any(message.id for message in input_messages(input) or []):
+            return
+        snapshot = await self.aget_state(config or {})
+        existing = {str(m.id) for m in (snapshot.values or {}).get("messages", []) if m.id}
+        check_history_edits(input, existing)
 
     async def _released(
         self, input: Any, config: RunnableConfig | None, thread: Any, **kwargs: Any
@@ -234,9 +354,11 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         """
         metadata = (config or {}).get("metadata") or {}
         try:
-            with telemetry.turn(self.name, None if thread is None else str(thread), metadata):
-                async for chunk in _scrubbed(super().astream(input, config, **kwargs)):
-                    yield chunk
+            chunks = _scrubbed(super().astream(input, config, **kwargs))
+            async for chunk in telemetry.turn(
+                chunks, self.name, None if thread is None else str(thread), metadata
+            ):
+                yield chunk
         finally:
             if thread is not None:  # the run is over: its slot may go to a thread that needs one now
                 await self.memory_runs.resolver.placement.release(str(thread))
@@ -252,7 +374,9 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         if shared is None:
             yield
             return
-        name = f"{self.name}:{thread}"
+        # Keyed by where the thread's checkpoints live too: two apps on one shared-state database with
+        # checkpointers of their own never wait for each other's runs of a same-named thread.
+        name = f"{self.name}:{await store_name(self.checkpointer)}:{thread}"
         deadline = time.monotonic() + THREAD_WAIT_S
         async with contextlib.AsyncExitStack() as stack:
             while True:

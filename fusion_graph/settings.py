@@ -338,6 +338,20 @@ class FusionSettings(BaseSettings):
     max_input_chars: Annotated[int, *between(1, 100_000_000)] = Field(
         1_000_000, description="Longest new input a run may send (characters over its new messages)."
     )
+    allow_history_edits: bool = Field(
+        False,
+        description="Let a run's input rewrite its thread's history: a message with the id of one "
+        "already in the thread (which replaces it) or a RemoveMessage (REMOVE_ALL_MESSAGES wipes the "
+        "thread). Off, such input is refused before anything is written (run input is untrusted "
+        "under a server).",
+    )
+    durability: Literal["sync", "async", "exit"] = Field(
+        "sync",
+        description="The least LangGraph durability every run gets (a run may ask for more, never "
+        "less). sync: each step's checkpoint is saved before the next step starts, so a tool call "
+        "whose result was saved never runs again after a crash; async saves it while the next step "
+        "runs (a crash can lose it); exit saves only at the end of the run.",
+    )
     metrics: bool = Field(
         False,
         description="Count every inference in Prometheus metrics (the 'telemetry' extra), served at "
@@ -360,6 +374,18 @@ class FusionSettings(BaseSettings):
         description="Export an OpenTelemetry span per turn, inference and tool call over OTLP (the "
         "'telemetry' extra); where to: the standard OTEL_EXPORTER_OTLP_* variables, unless the app "
         "set up OpenTelemetry itself.",
+    )
+    traces_exporter: Literal["otlp", "console"] = Field(
+        "otlp",
+        description="Where the spans go when fusion-graph sets up OpenTelemetry: 'otlp' (OTLP/HTTP, to "
+        "OTEL_EXPORTER_OTLP_*) or 'console' (one JSON line per span on stderr, to look at spans without "
+        "a receiver). Unused when the app set up OpenTelemetry itself.",
+    )
+    traces_error_detail: bool = Field(
+        False,
+        description="Put a failed run's error text (scrubbed of secrets) and stack trace on its span. "
+        "Off: the span says the error's class and kind only, since a provider's error text may echo "
+        "the prompt.",
     )
 
     def __init__(self, **values: Any) -> None:

@@ -2,6 +2,7 @@
 
 ::
 
+    fusion-graph demo                  # a recorded conversation played live: no key, no server
     fusion-graph run "Rename foo to bar in app.py" --workspace .
     fusion-graph replay --cloud-share 30 --plot timelines.png   # the bundled sample traces
     fusion-graph calibrate my-traces/ --target-cloud-fraction 0.2 --json
@@ -11,7 +12,7 @@
     fusion-graph doctor --live
 
 Each command lives in its own module (``run``, ``replay``, ``calibrate``, ``label``, ``report``,
-``doctor``).
+``doctor``, ``demo``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Annotated
 import typer
 
 from fusion_graph.cli.calibrate import calibrate_command
+from fusion_graph.cli.demo import demo
 from fusion_graph.cli.doctor import doctor
 from fusion_graph.cli.label import label
 from fusion_graph.cli.replay import replay
@@ -69,6 +71,7 @@ def _options(
         raise fail(str(error)) from None
 
 
+app.command()(demo)  # first in --help: what a fresh install can run
 app.command()(run)
 app.command()(replay)
 app.command("calibrate")(calibrate_command)

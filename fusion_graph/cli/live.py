@@ -83,6 +83,7 @@ class StepRow:
     score: int | None = None
     threshold: float | None = None
     reason: str = ""
+    breakdown: Mapping[str, float] | None = None
     provider: str | None = None
     attempts: list[Mapping[str, Any]] = field(default_factory=list)
     prompt_tokens: int | None = None
@@ -120,6 +121,25 @@ class StepRow:
         return f"{tried}→{leg}" if compact else f"{tried} → {leg}"
 
 
+#: Short names of the score's terms (``routing.score.StepScore``), for the line under the table.
+TERM_NAMES = {
+    "context_pressure": "pressure",
+    "turn_depth": "depth",
+    "transient_notice": "notice",
+    "tail_growth": "tail",
+    "error_severity": "errors",
+    "no_progress": "no progress",
+}
+
+
+def score_terms(breakdown: Mapping[str, float]) -> str:
+    """``terms: pressure 0.9 + depth 3.1 + notice 0 + tail 15``: the points each term added to a score."""
+    parts = (
+        f"{TERM_NAMES.get(name, name)} {round(float(points), 1):g}" for name, points in breakdown.items()
+    )
+    return "terms: " + " + ".join(parts)
+
+
 def _num(value: Any) -> str:
     return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -148,6 +168,8 @@ class StepTable:
         clock: Monotonic seconds, for the running step's elapsed time.
         last: The row of the latest decision or outcome (its reason is shown).
         turn: The latest turn seen; rows of other turns show ``turn.step``.
+        terms: Follow each reason shown with the score's terms (``score_terms``): how a score
+            came about, for a first look at the dial (``demo``).
     """
 
     rows: dict[tuple[int, int, str], StepRow] = field(default_factory=dict)
@@ -155,6 +177,7 @@ class StepTable:
     clock: Callable[[], float] = time.monotonic
     last: tuple[int, int, str] | None = None
     turn: int = 0
+    terms: bool = False
     spinner: Spinner = field(default_factory=lambda: Spinner("dots"))
     """One spinner for the whole run: its frame follows the time since it was first drawn, so a
     spinner made afresh at each refresh would never turn."""
@@ -187,6 +210,7 @@ class StepTable:
         row.score = event.get("score", row.score)
         row.threshold = event.get("threshold", row.threshold)
         row.reason = str(event.get("reason") or row.reason)
+        row.breakdown = event.get("breakdown", row.breakdown)
         if event.get("phase", "outcome") == "outcome":
             self._outcome(row, event)
 
@@ -291,6 +315,8 @@ class StepTable:
                 f" (answered by {row.provider})" if row.provider else " (no answer)" if row.done else ""
             )
             text = f"step {self._step(row)}{kind} routed {row.routed_leg}: {row.reason or '-'}{answered}"
+            if self.terms and row.breakdown:
+                text += f"\n  {score_terms(row.breakdown)}"
             lines.append(Text(text, style="dim"))
         running = self.running
         if running is not None:

@@ -134,8 +134,10 @@ def default_namespace() -> str:
 
     Workers of one LangGraph server share ``DATABASE_URI`` (their checkpointer),
     so its hash keeps two deployments on one shared-state database apart; an
-    embedded app without it is ``"default"`` (set ``FUSION_SHARED_STATE_NAMESPACE``
-    when two embedded apps share one database).
+    embedded app without it is ``"default"``. Two embedded apps under ``"default"``
+    still keep their memory job claims and thread run locks apart (keyed by their
+    job log entries and checkpoint stores); ``FUSION_SHARED_STATE_NAMESPACE`` per
+    app also keeps their slot leases and cooldowns apart.
     """
     uri = os.environ.get("DATABASE_URI")
     return "db-" + row_key(uri)[:16] if uri else "default"

@@ -5,7 +5,8 @@ and writes the items to the LangGraph store, namespaced per assistant and user
 like LangGraph's own memory examples, with the thread, turn and step they came
 from. Jobs go through the provider chain like any inference (fallover, cost),
 on the leg chosen by ``sub_runners``. A failing, slow or invalid job is
-recorded and dropped; it never fails the turn.
+recorded and dropped; it never fails the turn. Items that echo the job's own
+prompt, or repeat a stored memory, are left out and recorded (``screen``).
 
 **Warm prompts.** A job sends the conversation exactly as the steps send it
 (same system prompt, same messages, same bound tools, so the chat template
@@ -33,8 +34,8 @@ from fusion_graph.memory.store import namespace
 
 # The modules behind these names: ``jobs`` (the job type and its schema), ``job_call`` (one job's
 # call on the reflection slot), ``runs`` (inline, detached and re-run jobs), ``job_log`` (pending
-# and done entries in the store), ``store`` (namespaces, recall, writes), ``background`` (this
-# process's detached tasks).
+# and done entries in the store), ``store`` (namespaces, recall, writes), ``screen`` (what a job
+# may not store: echoes of its prompt, duplicates), ``background`` (this process's detached tasks).
 __all__ = [
     "DEFAULT_JOBS",
     "MemoryItem",

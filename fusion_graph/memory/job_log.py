@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Sequence
-from typing import Literal, TypedDict, cast
+from typing import Literal, NotRequired, TypedDict, cast
 
 from langgraph.store.base import BaseStore, SearchItem
 
@@ -54,6 +54,8 @@ class JobEntry(TicketFields):
     created_at: str
     finished_at: str | None
     stored: int
+    rejected: NotRequired[int]
+    """Items the jobs answered and left out (``memory.screen``); why: each record's ``extra.rejected``."""
     records: list[RouteRecord]
 
 
@@ -107,6 +109,7 @@ def pending_entry(
         created_at=created_at or now_iso(),
         finished_at=None,
         stored=0,
+        rejected=0,
         records=[],
     )
 
@@ -117,6 +120,7 @@ def done_entry(entry: JobEntry, records: Sequence[RouteRecord]) -> JobEntry:
     finished["status"] = "done"
     finished["finished_at"] = now_iso()
     finished["stored"] = sum(int(record["extra"].get("stored") or 0) for record in records)
+    finished["rejected"] = sum(len(record["extra"].get("rejected") or ()) for record in records)
     finished["records"] = list(records)
     return finished
 

@@ -42,6 +42,7 @@ from fusion_graph.memory.job_log import (
     write_entry,
 )
 from fusion_graph.memory.jobs import DEFAULT_JOBS, JobTicket, MemoryJob
+from fusion_graph.memory.screen import Rejected, screen_items, stored_texts
 from fusion_graph.memory.store import store_items
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub
@@ -405,11 +406,25 @@ class MemoryRuns:
                 telemetry.job_left_pending()
                 raise
             stored: list[dict[str, Any]] = []
+            rejected: list[Rejected] = []
             if result is not None and still_ours is not None and not await still_ours():
                 result, dropped = None, "taken over by another worker: not written here"
             if result is not None:
                 try:
-                    stored = await store_items(store, job, result, ticket=ticket)
+                    kept, rejected = screen_items(
+                        job.items(result),
+                        sources=_echo_sources(job, runner.system_prompt),
+                        stored=await stored_texts(store, job, ticket),
+                    )
+                    if rejected:
+                        logger.warning(
+                            "memory job %s (%s) left out %d of its items: %s",
+                            job.name,
+                            ticket.key,
+                            len(rejected),
+                            scrub("; ".join(f"{r['text']!r}: {r['why']}" for r in rejected)),
+                        )
+                    stored = await store_items(store, job, kept, ticket=ticket)
                 except Exception as error:  # noqa: BLE001 - never fail the turn over memory
                     dropped = scrub(f"store write failed: {type(error).__name__}: {error}")
             if not records or (dropped is not None and not records[-1]["extra"].get("dropped")):
@@ -418,6 +433,7 @@ class MemoryRuns:
                 record["extra"] |= {"job_key": ticket.key, "attempt": ticket.attempt, "mode": mode}
             records[-1]["extra"] |= {
                 "stored": len(stored),
+                "rejected": [Rejected(kind=r["kind"], text=scrub(r["text"]), why=r["why"]) for r in rejected],
                 "dropped": dropped,
                 "outcome": "dropped" if dropped is not None else "stored",
             }
@@ -450,6 +466,14 @@ class MemoryRuns:
                 await task
             count += 1
         return count
+
+
+def _echo_sources(job: MemoryJob, system_prompt: str) -> dict[str, str]:
+    """The prompt texts a job's items must not echo (``memory.screen``): what fusion-graph wrote.
+
+    The conversation is not one of them: a fact the user stated is what a memory is for.
+    """
+    return {"the job's instructions": job.instructions, "the system prompt": system_prompt}
 
 
 def _covered(messages: Sequence[BaseMessage], ticket: JobTicket) -> list[BaseMessage]:

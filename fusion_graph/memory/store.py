@@ -10,7 +10,6 @@ from typing import Any
 from langchain_core.messages import HumanMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.store.base import BaseStore, SearchItem
-from pydantic import BaseModel
 
 from fusion_graph import prompts
 from fusion_graph.inputs import user_of
@@ -82,9 +81,9 @@ def memory_message(items: Sequence[SearchItem]) -> HumanMessage | None:
 
 
 async def store_items(
-    store: BaseStore, job: MemoryJob, result: BaseModel, *, ticket: JobTicket
+    store: BaseStore, job: MemoryJob, items: Sequence[dict[str, Any]], *, ticket: JobTicket
 ) -> list[dict[str, Any]]:
-    """Write a validated result's items, each tagged with where it came from.
+    """Write a job's items (``MemoryJob.items`` of its answer, screened), each tagged with where it came from.
 
     Keys derive from the ticket, so a re-run after a crash overwrites what the
     interrupted run stored instead of adding a second copy.
@@ -93,7 +92,7 @@ async def store_items(
     stored = []
     now = now_iso()
     keys = []
-    for index, item in enumerate(job.items(result)):
+    for index, item in enumerate(items):
         value = {
             **item,
             "job": job.name,

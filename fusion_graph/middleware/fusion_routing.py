@@ -10,9 +10,17 @@ answered), the same ``route_log`` records in the agent's state and the same
 own model call (``request.override``): the agent binds the tools, and the
 middleware inside this one still run.
 
+Bad input is held as the graph holds it: a run context that is not one
+(a string, a number, a list, a field out of range, a ``workspace_root`` outside
+the operator's or reached through a symlink) is refused before any model is
+asked (``abefore_agent``); a tool that fails is answered with an error tool
+message (``awrap_tool_call``), and a call whose arguments did not parse with the
+graph's malformed-call message (``aafter_model``), so no tool call of the
+thread is ever left without a result (which OpenAI refuses on the next request).
+
 What the graph does that a middleware cannot (a model call is all it sees):
-repairing a malformed tool call on the same leg (pair it with
-``ToolRetryMiddleware`` or the agent's own tool errors), trimming a tool batch
+repairing a malformed tool call on the same leg (the middleware answers it and
+the next call is routed as any step), trimming a tool batch
 and the loop detector's notice (the notice term stays 0), memory sub-runners,
 re-writing a local reply on cloud, shadow checks, compacting a history no
 window holds (pair it with ``SummarizationMiddleware``), and a resumable stall
@@ -21,6 +29,7 @@ when every provider is down (the call raises ``ChainExhausted``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import operator
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -32,29 +41,42 @@ from langchain.agents.middleware.types import (
     ExtendedModelResponse,
     ModelRequest,
     ModelResponse,
+    ToolCallRequest,
+    hook_config,
 )
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
+from langgraph.errors import GraphBubbleUp
+from langgraph.prebuilt.tool_node import TOOL_CALL_ERROR_TEMPLATE
+from langgraph.runtime import Runtime
 from langgraph.types import Command
 from typing_extensions import NotRequired  # noqa: UP035 - the TypedDict of state, as in fusion_graph.state
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, context_defaults, ensure_context
-from fusion_graph.errors import ChainExhausted
+from fusion_graph.errors import ChainExhausted, ContextError
 from fusion_graph.inputs import thread_id_of
+from fusion_graph.nodes.dispatch import unique_call_ids
 from fusion_graph.nodes.route import decide_step, over_budget, routing_update
 from fusion_graph.providers.ask import Ask, ask
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.redact import scrub_content
 from fusion_graph.routing.records import RouteRecord, add_totals, records_totals
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.sizing.turn import turn_start
 from fusion_graph.state import PromptAnchor, State, StepTally
+from fusion_graph.tools.batch import malformed_call_message
+from fusion_graph.tools.files import check_run_root
+
+#: Run contexts that are no run's settings, whatever the agent's ``context_schema``: refused, not
+#: replaced by the middleware's ``context=`` (a caller who sent one meant something else).
+NOT_A_CONTEXT = (str, bytes, bytearray, int, float, complex, list, tuple, set, frozenset)
 
 
 class FusionRoutingState(AgentState[Any]):
@@ -67,6 +89,49 @@ class FusionRoutingState(AgentState[Any]):
     latch: NotRequired[int | None]
     anchors: NotRequired[dict[str, PromptAnchor]]
     step_tally: NotRequired[StepTally]
+
+
+@dataclasses.dataclass(frozen=True)
+class MalformedReplies:
+    """The answers owed to the model's last answer for its calls whose arguments did not parse."""
+
+    answer: AIMessage
+    """The model's answer, with an id on every call (``unique_call_ids``)."""
+    renamed: bool
+    """Whether ``answer`` differs from the one in the state (a call had no id, or a repeated one)."""
+    replies: list[ToolMessage]
+    """An error result for each such call not answered yet."""
+
+
+def unanswered_malformed_calls(messages: Sequence[BaseMessage]) -> MalformedReplies | None:
+    """What the model's last answer is owed for its calls that did not parse; ``None``: nothing.
+
+    A call without an id could never be answered, and OpenAI refuses a history
+    holding it: such a call gets one first, as the graph gives it.
+    """
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if isinstance(message, AIMessage):
+            break
+        if not isinstance(message, ToolMessage):
+            return None
+    else:
+        return None
+    if not message.invalid_tool_calls:
+        return None
+    answered = {m.tool_call_id for m in messages[index + 1 :] if isinstance(m, ToolMessage)}
+    answer = unique_call_ids(message)
+    replies = [
+        ToolMessage(
+            content=malformed_call_message(bad),
+            tool_call_id=bad["id"] or "",
+            name=bad.get("name") or "",
+            status="error",
+        )
+        for bad in answer.invalid_tool_calls
+        if bad["id"] not in answered
+    ]
+    return MalformedReplies(answer, answer is not message, replies) if replies else None
 
 
 def turn_and_step(messages: Sequence[BaseMessage]) -> tuple[int, int]:
@@ -82,8 +147,10 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
 
     ``create_agent(model=..., tools=..., middleware=[FusionRoutingMiddleware(...)])``:
     the agent's ``model`` is replaced on every call by the provider the chain
-    answers with. Put it last in the list (innermost), so the middleware before
-    it see the routed call and the ones after it (if any) run per attempt.
+    answers with. Put it after every middleware that wraps model calls, so they
+    see the routed call (any listed after it run per attempt); put tool-only
+    middleware such as ``ToolRetryMiddleware`` after it too, so its retries run
+    inside the hook that answers a tool's last failure with an error message.
     """
 
     state_schema = FusionRoutingState
@@ -124,12 +191,30 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
         )
         self._sizers: dict[tuple[int, ...], Sizer] = {}
 
-    def _context(self, given: Any, system_prompt: str) -> FusionContext:
-        """The run's context if it is fusion's, else the middleware's; with the agent's system prompt."""
+    def _run_context(self, given: Any) -> FusionContext:
+        """The run's context if it is fusion's, else the middleware's ``context=``.
+
+        A ``FusionContext`` or a mapping is checked as the graph checks it; any other
+        object is the agent's own ``context_schema`` (this middleware's ``context=`` then
+        applies); a string, number or sequence is nobody's context and is refused.
+
+        Raises:
+            ContextError: The context is not one, or holds a field the graph refuses.
+        """
         if isinstance(given, FusionContext | dict):
-            context = ensure_context(given, self.run_defaults)
-        else:
-            context = self.default_context
+            return ensure_context(given, self.run_defaults)
+        if isinstance(given, Mapping):
+            return ensure_context(dict(given), self.run_defaults)
+        if isinstance(given, NOT_A_CONTEXT):
+            raise ContextError(
+                f"the run context must be an object of run settings (FusionContext fields) or the "
+                f"agent's own context_schema, got {type(given).__name__}: {given!r:.80}"
+            )
+        return self.default_context
+
+    def _context(self, given: Any, system_prompt: str) -> FusionContext:
+        """The run's context (``_run_context``) with the agent's system prompt."""
+        context = self._run_context(given)
         if context.system_prompt != system_prompt:  # estimates count the agent's own system prompt
             context = dataclasses.replace(context, system_prompt=system_prompt)
         return context
@@ -140,6 +225,67 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
         if sizer is None:
             sizer = self._sizers[key] = Sizer(self.resolver, list(tools), self.count_tokens)
         return sizer
+
+    async def abefore_agent(self, state: FusionRoutingState, runtime: Runtime[Any]) -> dict[str, Any] | None:
+        """Refuse a run whose context the graph would refuse, before any model is asked.
+
+        Otherwise a bad context is found only by a tool, after a paid model call, and
+        the thread keeps the call it could not answer. The same checks as the graph
+        makes before its run (``run_queue``): the fields, the operator's bounds (the
+        chain), and a ``workspace_root`` that must be reached without a symlink.
+
+        Raises:
+            ContextError: The message names what is wrong.
+        """
+        context = self._run_context(runtime.context)
+        await self.resolver.chain(context)
+        if context.workspace_root is not None:  # it opens directories: off the event loop
+            operator_root = self.resolver.settings.workspace_root
+            await asyncio.to_thread(check_run_root, operator_root, context.workspace_root)
+        return None
+
+    @hook_config(can_jump_to=["model"])
+    async def aafter_model(self, state: FusionRoutingState, runtime: Runtime[Any]) -> dict[str, Any] | None:
+        """Answer each call of the model's answer whose arguments did not parse, and go on.
+
+        ``create_agent`` ends the run on an answer with no valid call, leaving the bad
+        one unanswered; the graph tells the model what broke so it can send the call
+        again. So does this: an error tool message per bad call, and back to the model
+        when no valid call is left to run (valid ones run first, as in the graph).
+        """
+        found = unanswered_malformed_calls(state["messages"])
+        if found is None:
+            return None
+        renamed = [found.answer] if found.renamed else []  # the same message id: replaced in place
+        update: dict[str, Any] = {"messages": [*renamed, *found.replies]}
+        if not found.answer.tool_calls:
+            update["jump_to"] = "model"
+        return update
+
+    async def awrap_tool_call(
+        self,
+        request: ToolCallRequest,
+        handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
+    ) -> ToolMessage | Command[Any]:
+        """Run the tool; its failure becomes an error tool message, as the graph's tool node answers it.
+
+        ``create_agent``'s tool node lets a tool's exception end the run, and the
+        thread keeps a call with no result, which OpenAI refuses on the next turn.
+        Interrupts (``GraphBubbleUp``) still propagate. Middleware listed after this
+        one (``ToolRetryMiddleware``) runs inside it, so it retries before this answers.
+        """
+        try:
+            return await handler(request)
+        except GraphBubbleUp:
+            raise
+        except Exception as error:  # noqa: BLE001 - any tool failure is the model's to read, as in the graph
+            call = request.tool_call
+            return ToolMessage(
+                content=scrub_content(TOOL_CALL_ERROR_TEMPLATE.format(error=repr(error))),
+                tool_call_id=call["id"] or "",
+                name=call["name"],
+                status="error",
+            )
 
     async def awrap_model_call(
         self,
@@ -223,4 +369,10 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
         return ExtendedModelResponse(model_response=responses[-1], command=Command(update=update))
 
 
-__all__ = ["FusionRoutingMiddleware", "FusionRoutingState", "turn_and_step"]
+__all__ = [
+    "FusionRoutingMiddleware",
+    "FusionRoutingState",
+    "MalformedReplies",
+    "turn_and_step",
+    "unanswered_malformed_calls",
+]

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import openai
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig
@@ -245,13 +246,30 @@ async def _model_call(
     return await within(model.ainvoke(list(prompt), config=config, **kwargs), link, timeout_s)
 
 
+def timeout_text(provider: str, timeout_s: float | None, *, local: bool = False) -> str:
+    """What a request that outlasted its bound says: the variable that sets it, its value, the fixes.
+
+    The setting's name alone (``request_timeout``) is not what an operator types;
+    a slow local model (a CPU box) is the usual cause, so the message names
+    ``FUSION_REQUEST_TIMEOUT`` with its current value, and the other fixes.
+    """
+    if timeout_s is None:
+        head = f"{provider} gave no answer within its client's own timeout (no request_timeout bound it)"
+        fixes = "raise the model client's timeout, or lower max_completion_tokens"
+    else:
+        head = f"{provider} gave no answer within request_timeout={timeout_s:g} s"
+        fixes = f"raise FUSION_REQUEST_TIMEOUT (now {timeout_s:g}), or lower max_completion_tokens"
+    cpu = " (llama-server on CPU: also try fewer threads, -t)" if local else ""
+    return f"{head}: {fixes}{cpu}"
+
+
 async def within(answering: Awaitable[Any], link: ChainLink, timeout_s: float | None) -> AIMessage:
     """``answering`` within ``timeout_s``; a response the model cannot parse is a ``MalformedAnswer``."""
     try:
         async with asyncio.timeout(timeout_s):
             answer = await answering
-    except TimeoutError as error:
-        raise TimeoutError(f"{link.id} gave no answer within request_timeout={timeout_s:g} s") from error
+    except (TimeoutError, openai.APITimeoutError) as error:
+        raise TimeoutError(timeout_text(link.id, timeout_s, local=link.leg == "local")) from error
     except (IndexError, ValidationError) as error:
         raise MalformedAnswer(
             f"{link.id} answered something that is not a chat completion ({type(error).__name__}: {error})"

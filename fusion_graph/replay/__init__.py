@@ -15,6 +15,7 @@
 - ``disagreement``: fit the dial on labels, to send the steps the local model gets wrong to cloud
 - ``plot``: timelines, a summary of many trajectories, calibration curves (needs the ``plot`` extra)
 - ``label_plot``: recall of disagreeing steps against the share on cloud, per dial (``plot`` extra)
+- ``playback``: scripted models and tools that play a recording live through the graph (``demo``)
 """
 
 from fusion_graph.replay.history import ReplayedStep, route_history

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusion_graph.errors import ProviderConfigError
 from fusion_graph.routing.records import RouteRecord
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from fusion_graph.telemetry.traces import Traces
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 INSTALL_HINT = "pip install 'fusion-graph[telemetry]'"
 
@@ -80,7 +82,9 @@ def configure(settings: FusionSettings) -> None:
             from fusion_graph.telemetry.traces import Traces
         except ImportError as error:
             raise ProviderConfigError(f"FUSION_TRACES needs OpenTelemetry: {INSTALL_HINT}") from error
-        ACTIVE.traces = Traces.start()
+        ACTIVE.traces = Traces.start(
+            exporter=settings.traces_exporter, error_detail=settings.traces_error_detail
+        )
 
 
 def _address(host: str, port: int) -> str:
@@ -190,7 +194,11 @@ def tool_call(name: str, call_id: str | None, thread_id: str) -> AbstractContext
 
 
 def turn(
-    graph: str, thread_id: str | None, metadata: Mapping[str, Any] | None = None
-) -> AbstractContextManager[None]:
-    """An ``invoke_agent`` span around one run of the graph: its inferences and tools nest in it."""
-    return _NO_SPAN if ACTIVE.traces is None else ACTIVE.traces.turn(graph, thread_id, metadata or {})
+    stream: AsyncIterator[T], graph: str, thread_id: str | None, metadata: Mapping[str, Any] | None = None
+) -> AsyncIterator[T]:
+    """``stream`` (one run of the graph) inside an ``invoke_agent`` span: its inferences and tools nest in it.
+
+    A wrapper of the stream, not a context around it: the span is made current in each task
+    that pulls a chunk (``Traces.run``). Traces off: ``stream`` itself.
+    """
+    return stream if ACTIVE.traces is None else ACTIVE.traces.run(stream, graph, thread_id, metadata or {})

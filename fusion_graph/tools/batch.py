@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, InvalidToolCall
 from langchain_core.messages.tool import ToolCall
 from langchain_core.tools import BaseTool
 from pydantic import BaseModel, ValidationError
@@ -30,6 +30,7 @@ __all__ = [
     "Rejected",
     "batch_notice",
     "call_key",
+    "malformed_call_message",
     "plan_batch",
     "prior_call_counts",
     "schema_error",
@@ -118,6 +119,19 @@ def schema_error(tool: BaseTool, args: dict[str, Any]) -> str | None:
     return None
 
 
+def malformed_call_message(bad: InvalidToolCall) -> str:
+    """What the model is told about a call whose arguments did not parse, so it can send it again.
+
+    One wording for the graph's repair and the ``create_agent`` middleware, which
+    answers such a call itself: the raw arguments are quoted so the model sees what broke.
+    """
+    return (
+        f"Malformed tool call {bad.get('name')!r}: "
+        f"{bad.get('error') or 'arguments are not valid JSON'}. "
+        f"Raw arguments: {bad.get('args')!r}. Send the call again with valid JSON arguments."
+    )
+
+
 def plan_batch(
     message: AIMessage,
     *,
@@ -141,11 +155,7 @@ def plan_batch(
             Rejected(
                 call_id=bad.get("id") or "",
                 name=bad.get("name") or "",
-                message=(
-                    f"Malformed tool call {bad.get('name')!r}: "
-                    f"{bad.get('error') or 'arguments are not valid JSON'}. "
-                    f"Raw arguments: {bad.get('args')!r}. Send the call again with valid JSON arguments."
-                ),
+                message=malformed_call_message(bad),
                 malformed=True,
             )
         )

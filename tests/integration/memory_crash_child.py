@@ -23,6 +23,8 @@ from fusion_graph import FusionContext, build_graph, memory
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 GOOD = json.dumps({"items": [{"kind": "fact", "text": "The user prefers tabs."}]})
+#: The second job's fact: a repeat of the first would be left out as a duplicate (``memory.screen``).
+OTHER = json.dumps({"items": [{"kind": "fact", "text": "The user formats files with ruff."}]})
 CONFIG: Any = {"configurable": {"thread_id": "crash"}}
 
 
@@ -67,7 +69,7 @@ async def main(folder: str, ledger_path: str, mode: str) -> None:
             await asyncio.sleep(600)  # killed here, its memory job still running
         else:
             cloud = scripted("cloud", ["second answer"])
-            local = scripted("local", [GOOD, GOOD])
+            local = scripted("local", [GOOD, OTHER])
             graph = build_graph(
                 cloud_model=cloud, local_model=local, tools=[echo], checkpointer=saver, store=store
             )

@@ -68,7 +68,9 @@ async def test_a_job_killed_with_its_process_is_completed_by_the_next_turn_in_a_
         (0, "done", 2, 1),
         (1, "done", 1, 1),
     ]
-    assert sorted((i["turn"], i["text"]) for i in stored) == [
-        (0, "The user prefers tabs."),
-        (1, "The user prefers tabs."),
+    # Which of the two jobs asks the scripted model first is not fixed: each stored its own fact.
+    assert sorted(i["turn"] for i in stored) == [0, 1]
+    assert sorted(i["text"] for i in stored) == [
+        "The user formats files with ruff.",
+        "The user prefers tabs.",
     ]

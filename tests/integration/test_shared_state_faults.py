@@ -322,7 +322,8 @@ async def run_turn(graph: Any, text: str, config: RunnableConfig, mode: Mode) ->
 async def test_turns_complete_across_a_database_stopped_during_the_model_call_and_the_memory_job_runs_once(
     database: str, cluster: PostgresCluster, tmp_path: Path, mode: Mode
 ) -> None:
-    local = Hooked(messages=iter(["one", GOOD, "two", GOOD, "three", GOOD]), model_name="localfake")
+    facts = [json.dumps({"items": [{"kind": "fact", "text": f"Fact {n}."}]}) for n in (2, 3)]  # no repeats
+    local = Hooked(messages=iter(["one", GOOD, "two", facts[0], "three", facts[1]]), model_name="localfake")
     settings = FusionSettings(
         shared_state="postgres",
         shared_state_url=database,
@@ -359,8 +360,8 @@ async def test_turns_complete_across_a_database_stopped_during_the_model_call_an
     stored = [item.value for item in await store.asearch(NS, limit=100)]
     assert sorted((v["turn"], v["text"]) for v in stored) == [
         (0, "The user prefers tabs."),
-        (1, "The user prefers tabs."),
-        (2, "The user prefers tabs."),
+        (1, "Fact 2."),
+        (2, "Fact 3."),
     ]
 
 

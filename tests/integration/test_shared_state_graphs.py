@@ -158,3 +158,48 @@ async def test_two_apps_on_one_database_with_default_settings_both_finish_their_
         _, log = await turn(saver, store, "ticket-42", "ainvoke", postgres_db)
         assert len(log) == 2 and "pending" not in {e["status"] for e in log}
     assert len(await job_claims(postgres_db)) == 4
+
+
+@pytest.mark.parametrize("how", ["ainvoke", "messages"])
+async def test_two_apps_run_a_same_named_thread_at_once_without_waiting_for_each_other(
+    postgres_db: str, tmp_path: Any, how: str
+) -> None:
+    """The thread-run lock is keyed by where the checkpoints live: app B's run of "ticket-42" goes on
+    while app A's is still running (it would wait, then be refused with ThreadBusy, on a shared lock)."""
+    import asyncio
+    import threading
+
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+    from fusion_graph.run_queue import store_name
+
+    held = threading.Event()
+    context = FusionContext(mode="local", sub_runners="off")
+    with (
+        FakeOpenAI([Reply(content="cloud")]) as cloud,
+        FakeOpenAI([Reply(content="a, held", hold=held)]) as slow,
+        FakeOpenAI([Reply(content="b")]) as quick,
+    ):
+        async with (
+            AsyncSqliteSaver.from_conn_string(str(tmp_path / "a.sqlite")) as saver_a,
+            AsyncSqliteSaver.from_conn_string(str(tmp_path / "b.sqlite")) as saver_b,
+        ):
+            assert await store_name(saver_a) != await store_name(saver_b)
+            shared = {"shared_state": "postgres", "shared_state_url": postgres_db}
+            app_a = graph_over(cloud, slow, saver=saver_a, **shared)
+            app_b = graph_over(cloud, quick, saver=saver_b, **shared)
+            config: Any = {"configurable": {"thread_id": "ticket-42"}}
+            try:
+                first = asyncio.create_task(turn_state(app_a, "hello", how, context, config))
+                while not slow.requests:  # app A's run holds its lock and waits on its model
+                    await asyncio.sleep(0.01)
+                second = await turn_state(app_b, "hello", how, context, config)
+                assert not first.done()
+                held.set()
+                done = await first
+            finally:
+                held.set()
+                for app in (app_a, app_b):
+                    await app.memory_runs.resolver.aclose()
+    assert second["messages"][-1].content == "b"
+    assert done["messages"][-1].content == "a, held"

@@ -113,7 +113,12 @@ def doctor(
         ),
     ] = None,
     live: Annotated[
-        bool, typer.Option("--live", help="Also send the cloud model a one-token chat completion.")
+        bool,
+        typer.Option(
+            "--live",
+            help="Also send the cloud model a one-token chat completion, and llama-server a short one "
+            "to measure its tokens/s.",
+        ),
     ] = False,
     timeout: Annotated[float, typer.Option(help="Seconds each network check may take.", min=0.1)] = 5.0,
     as_json: Annotated[
@@ -127,7 +132,9 @@ def doctor(
     the per-slot window (checked against 2 x max_completion_tokens and the
     graph's first prompt) and the chat template's tool support; a POST
     /apply-template with one tool shows whether --jinja is on and whether the
-    tool reaches the prompt. Exit code 0 when no check fails (warnings allowed), else 1.
+    tool reaches the prompt. With --live, a short completion measures llama-server's tokens/s and
+    warns when max_completion_tokens at that speed would not fit FUSION_REQUEST_TIMEOUT. Exit code 0
+    when no check fails (warnings allowed), else 1.
     """
     from fusion_graph.errors import ContextError
 
@@ -153,7 +160,7 @@ def doctor(
         *([blank] if blank is not None else []),
         *cloud_checks(settings, key, live=live, timeout=timeout),
         cloud_price_check(run_context, settings),
-        *local(settings, budget, timeout=timeout, prompt_tokens=prompt),
+        *local(settings, budget, timeout=timeout, prompt_tokens=prompt, live=live),
         *workspace_checks(settings, source),
         postgres_check(postgres, timeout=timeout) if postgres else sqlite_check(db),
     ]

@@ -25,16 +25,19 @@ def _v1(url: str) -> str:
 
 
 def pool_checks(
-    settings: FusionSettings, budget: int, *, timeout: float, prompt_tokens: int = 0
+    settings: FusionSettings, budget: int, *, timeout: float, prompt_tokens: int = 0, live: bool = False
 ) -> list[Check]:
-    """A gateway over ``local_workers``: each box as llama-server, their agreement, the gateway itself."""
+    """A gateway over ``local_workers``: each box as llama-server, their agreement, the gateway itself.
+
+    With ``live``, each box's generation speed too (a box is as slow as its own CPU or GPU).
+    """
     import httpx
 
     rows: list[Check] = []
     seen: list[tuple[str, tuple[Any, ...]]] = []
     for index, url in enumerate(settings.local_workers, start=1):
         box = settings.model_copy(update={"local_base_url": _v1(url), "local_workers": ()})
-        checks, props = server_checks(box, budget, timeout=timeout, prompt_tokens=prompt_tokens)
+        checks, props = server_checks(box, budget, timeout=timeout, prompt_tokens=prompt_tokens, live=live)
         rows += [dataclasses.replace(check, name=f"box {index}: {check.name}") for check in checks]
         if props is None:  # unreachable, or not llama-server: its rows say so
             continue

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusion_graph.cli.doctor.props import PROBE_TOOL, props_checks
 from fusion_graph.cli.doctor.rows import Check, error_text, transport
+from fusion_graph.cli.doctor.speed import speed_check
 
 if TYPE_CHECKING:
     import httpx
@@ -75,7 +76,7 @@ def _not_llama(settings: FusionSettings, error: Exception, client: httpx.Client)
 
 
 def llama_checks(
-    settings: FusionSettings, budget: int, *, timeout: float, prompt_tokens: int = 0
+    settings: FusionSettings, budget: int, *, timeout: float, prompt_tokens: int = 0, live: bool = False
 ) -> list[Check]:
     """llama-server at ``local_base_url``: reachable, llama-server at all, then ``props_checks``.
 
@@ -84,12 +85,13 @@ def llama_checks(
         budget: The run's ``max_completion_tokens``.
         timeout: Seconds each request may take.
         prompt_tokens: The graph's first prompt (sizes the start line and the window check).
+        live: Also measure the generation speed (``speed.speed_check``: a short completion).
     """
-    return server_checks(settings, budget, timeout=timeout, prompt_tokens=prompt_tokens)[0]
+    return server_checks(settings, budget, timeout=timeout, prompt_tokens=prompt_tokens, live=live)[0]
 
 
 def server_checks(
-    settings: FusionSettings, budget: int, *, timeout: float, prompt_tokens: int = 0
+    settings: FusionSettings, budget: int, *, timeout: float, prompt_tokens: int = 0, live: bool = False
 ) -> tuple[list[Check], ServerProps | None]:
     """``llama_checks``, and what ``/props`` said (``None``: not llama-server), for a gateway's boxes."""
     import httpx
@@ -118,6 +120,7 @@ def server_checks(
     with httpx.Client(timeout=timeout) as client:
         raw = _raw_props(client, root)
         probe = _tools_probe(client, root)
+        speed = [speed_check(settings, props, budget, client, timeout=timeout)] if live else []
     build = raw.get("build_info")
     model = raw.get("model_alias") or raw.get("model_path")
     found = ", ".join(
@@ -126,4 +129,5 @@ def server_checks(
     head = Check(
         "llama-server", "ok", f"{root}/props answers as llama-server" + (f" ({found})" if found else "")
     )
-    return [head, *props_checks(props, raw, probe, settings, budget, prompt_tokens=prompt_tokens)], props
+    rows = props_checks(props, raw, probe, settings, budget, prompt_tokens=prompt_tokens)
+    return [head, *rows, *speed], props

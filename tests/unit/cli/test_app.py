@@ -24,6 +24,7 @@ LAZY_MODULES = (
     "calibrate_labels.py",
     "checks.py",
     "common.py",
+    "demo.py",
     "doctor/__init__.py",
     "doctor/checkpoints.py",
     "doctor/cloud.py",
@@ -70,7 +71,7 @@ def test_help_as_a_process_lists_the_commands() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "Usage: fusion-graph" in done.stdout and "--version" in done.stdout
-    for command in ("run", "replay", "calibrate", "label", "report"):
+    for command in ("demo", "run", "replay", "calibrate", "label", "report"):
         assert f" {command} " in done.stdout
 
 

@@ -38,6 +38,13 @@ from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted, user_in
 
 NS = memory.namespace("fusion", "anonymous")
 GOOD = json.dumps({"items": [{"kind": "fact", "text": "The user prefers tabs."}]})
+
+
+def fact(text: str) -> str:
+    """A job's answer of one fact: each job of a test needs its own, as a repeated fact is stored once."""
+    return json.dumps({"items": [{"kind": "fact", "text": text}]})
+
+
 CONFIG: RunnableConfig = {"configurable": {"thread_id": "t1"}}
 BACKGROUND = FusionContext(memory_mode="background")
 INSTRUCTIONS = memory.DEFAULT_JOBS[0].instructions
@@ -129,7 +136,9 @@ async def test_inline_mode_keeps_the_jobs_inside_the_run() -> None:
 
 async def test_a_finished_job_reaches_route_log_at_the_next_turn_exactly_once() -> None:
     cloud = scripted("cloudfake", [ai_calls(call("echo", {"text": str(i)}, f"c{i}")) for i in range(3)])
-    local = scripted("localfake", ["one", GOOD, "two", GOOD, "three", GOOD])
+    local = scripted(
+        "localfake", ["one", GOOD, "two", fact("Tabs are 4 wide."), "three", fact("Lint with ruff.")]
+    )
     store = InMemoryStore()
     graph = build_graph(
         cloud_model=cloud, local_model=local, tools=TOOLS, checkpointer=InMemorySaver(), store=store
@@ -167,7 +176,10 @@ async def test_jobs_every_k_steps_never_hold_up_the_next_step() -> None:
     gate = asyncio.Event()
     cloud = scripted("cloudfake", [ai_calls(call("echo", {"text": "a"}, "c1"))])
     local = SlowMemory(
-        messages=iter([ai_calls(call("echo", {"text": t}, f"l{t}")) for t in "bc"] + ["done", GOOD, GOOD]),
+        messages=iter(
+            [ai_calls(call("echo", {"text": t}, f"l{t}")) for t in "bc"]
+            + ["done", GOOD, fact("Lint with ruff.")]
+        ),
         model_name="localfake",
         gate=gate,
     )

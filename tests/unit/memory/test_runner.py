@@ -200,7 +200,8 @@ async def test_memories_persist_across_processes_with_a_persistent_store(tmp_pat
 
 
 async def test_every_k_steps_runs_memory_beside_the_next_step() -> None:
-    cloud = scripted("cloudfake", [ai_calls(call("echo", {"text": "a"}, "c1")), GOOD, GOOD])
+    other = json.dumps({"items": [{"kind": "fact", "text": "Lint with ruff."}]})  # a repeat is stored once
+    cloud = scripted("cloudfake", [ai_calls(call("echo", {"text": "a"}, "c1")), GOOD, other])
     local = scripted(
         "localfake",
         [ai_calls(call("echo", {"text": "b"}, "l1")), ai_calls(call("echo", {"text": "c"}, "l2")), "done"],

@@ -160,11 +160,12 @@ async def test_it_composes_with_summarization_call_limits_and_tool_retries() -> 
     cloud, local = scripted_on(answers, "cloud"), scripted_on(answers, "local")
     summarizer = scripted_on(iter(["a summary"] * 5), "summarizer")
     # One agent, LangChain's middleware and ours (their state types differ: typed loosely here).
+    # Tool retries after ours: they run inside its tool hook, which answers only the last failure.
     middleware: Sequence[AgentMiddleware[Any, Any]] = (
         SummarizationMiddleware(model=summarizer, trigger=("messages", 50)),
         ModelCallLimitMiddleware(run_limit=2, exit_behavior="end"),
-        ToolRetryMiddleware(max_retries=2, initial_delay=0.0, jitter=False),
         FusionRoutingMiddleware(cloud_model=cloud, local_model=local),
+        ToolRetryMiddleware(max_retries=2, initial_delay=0.0, jitter=False),
     )
     agent = create_agent(
         model=cloud,
