@@ -352,7 +352,10 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
 
         Inside the queue, so the thread's next run never has its new lease marked idle.
         """
-        metadata = (config or {}).get("metadata") or {}
+        metadata = dict((config or {}).get("metadata") or {})
+        run_id = (config or {}).get("run_id")
+        if run_id is not None and "run_id" not in metadata:  # a LangGraph server sets the run's id here
+            metadata["run_id"] = str(run_id)
         try:
             chunks = _scrubbed(super().astream(input, config, **kwargs))
             async for chunk in telemetry.turn(

@@ -7,7 +7,8 @@ is sent again, alone, to a server with no host prompt cache, with
 are compared. A tiny random model's distributions are flat, so two tokens can
 tie and batching noise may pick either: at the first position where the two
 answers differ, the difference is *material* only when the token given under
-load is not among the alone answer's top tokens there.
+load is not among the alone answer's top tokens there, within a small margin of
+the alone answer's own token (``difference``).
 """
 
 from __future__ import annotations
@@ -33,21 +34,39 @@ def tokens(answer: dict[str, Any]) -> list[dict[str, Any]]:
     return content if isinstance(content, list) else []
 
 
+#: Alternatives the alone run reports at each position.
+TOP = 20
+#: Nats below the alone run's own token within which a token given under load is a tie broken the
+#: other way (batching and restored prefixes change the last bits of the logits), not a change.
+MARGIN = 0.5
+
+
 def alone(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` as sent alone: no slot, no prompt cache; greedy with the top 3 kept."""
+    """``body`` as sent alone: no slot, no prompt cache; greedy with the top ``TOP`` kept."""
     sent = {k: v for k, v in body.items() if k not in ("id_slot", "stream", "stream_options")}
-    return {**sent, "cache_prompt": False, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    return {**sent, "cache_prompt": False, "temperature": 0, "logprobs": True, "top_logprobs": TOP}
 
 
 def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> str | None:
-    """Where ``loaded`` leaves ``solo`` materially (see the module docstring); ``None``: it does not."""
+    """Where ``loaded`` leaves ``solo`` materially (see the module docstring); ``None``: it does not.
+
+    At the first position the two differ, the token given under load is a tie broken the other way
+    when the alone run ranks it among its top ``TOP`` within ``MARGIN`` nats of its own token; from
+    there on the two contexts differ, so nothing after it is compared.
+    """
     for index, (got, want) in enumerate(zip(loaded, solo, strict=False)):
         if got.get("token") == want.get("token"):
             continue
-        top = [alt.get("token") for alt in want.get("top_logprobs") or []]
-        if got.get("token") in top:
-            return None  # a tie the alone run broke the other way: from here on the contexts differ
-        return f"token {index}: {got.get('token')!r} under load, {want.get('token')!r} alone (top {top!r})"
+        top = {alt.get("token"): alt.get("logprob") for alt in want.get("top_logprobs") or []}
+        chosen, theirs = want.get("logprob"), top.get(got.get("token"))
+        if isinstance(chosen, float | int) and isinstance(theirs, float | int) and chosen - theirs <= MARGIN:
+            return None
+        gap = (
+            f"{chosen - theirs:.3f} nats below"
+            if isinstance(theirs, float | int)
+            else f"not in the top {TOP}"
+        )
+        return f"token {index}: {got.get('token')!r} under load, {want.get('token')!r} alone ({gap})"
     if len(loaded) != len(solo):
         return f"{len(loaded)} tokens under load, {len(solo)} alone"
     return None
