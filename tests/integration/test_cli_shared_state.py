@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,10 @@ def test_a_thread_running_in_another_process_is_refused_in_one_line(
     monkeypatch.delenv("DATABASE_URI", raising=False)
     import psycopg
 
-    # Another process runs thread "busy" of the same app: it holds the thread's run lock.
-    key = lock_key(f"fusion-thread:{default_namespace()}\0{GRAPH_NAME}:busy")
+    # Another process runs thread "busy" of the same app (the same checkpoint file): it holds the
+    # thread's run lock, named by where the thread's checkpoints live (run_queue.store_name).
+    store = f"sqlite:{os.path.realpath(tmp_path / 't.sqlite')}"
+    key = lock_key(f"fusion-thread:{default_namespace()}\0{GRAPH_NAME}:{store}:busy")
     with psycopg.connect(postgres_db, autocommit=True) as other:
         assert other.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone() == (True,)
         args = ["run", "hi", "--workspace", str(tmp_path), "--db", str(tmp_path / "t.sqlite")]
