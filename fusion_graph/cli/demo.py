@@ -135,12 +135,11 @@ async def play(
     Raises:
         TraceError: The conversation has nothing to play.
     """
-    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.messages import HumanMessage
     from langgraph.checkpoint.memory import InMemorySaver
 
     from fusion_graph.agent import build_graph
-    from fusion_graph.cli.common import CloudShare
-    from fusion_graph.cli.run import RunResult, stream_events, totals_of
+    from fusion_graph.cli.run import RunResult, stream_events
     from fusion_graph.providers.http import loop_safe_client
     from fusion_graph.providers.models import LOCAL_API_KEY
     from fusion_graph.providers.resolver import ProviderResolver
@@ -194,17 +193,7 @@ async def play(
                         on_event(event)
     finally:
         await resolver.aclose()
-    records = list(values.get("route_log", []))
-    answer = next((m for m in reversed(values.get("messages", [])) if isinstance(m, AIMessage)), None)
-    return RunResult(
-        answer=answer.text if answer is not None else None,
-        thread_id=thread,
-        route_log=records,
-        totals=totals_of(records),
-        cloud_share=CloudShare.of(records).as_dict(),
-        turn=int(values.get("turn", 0)),
-        truncated=False,
-    )
+    return RunResult.of(values, thread, list(values.get("route_log", [])))
 
 
 def demo(

@@ -119,6 +119,25 @@ class RunResult:
         """The result as one JSON object (what ``run --json`` prints)."""
         return json.dumps(asdict(self), default=str)
 
+    @classmethod
+    def of(
+        cls, values: dict[str, Any], thread: str, records: list[RouteRecord], *, answer_s: float = 0.0
+    ) -> RunResult:
+        """The result of a turn from the thread's state (``values``) and the records it added."""
+        from langchain_core.messages import AIMessage
+
+        answer = next((m for m in reversed(values.get("messages", [])) if isinstance(m, AIMessage)), None)
+        return cls(
+            answer=answer.text if answer is not None else None,
+            thread_id=thread,
+            route_log=records,
+            totals=totals_of(records),
+            cloud_share=CloudShare.of(records).as_dict(),
+            turn=int(values.get("turn", 0)),
+            truncated=answer is not None and answer.response_metadata.get("finish_reason") == "length",
+            answer_s=answer_s,
+        )
+
 
 def totals_of(records: list[RouteRecord]) -> dict[str, Any]:
     """``chain_totals`` of ``records`` as plain data."""
@@ -214,7 +233,7 @@ async def run_task(
             cannot run as configured (nothing is saved).
         ChainExhausted, ProviderRequestError: A model call failed; the thread is saved.
     """
-    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.messages import HumanMessage
 
     from fusion_graph.agent import build_graph
     from fusion_graph.cli.stores import has_checkpoint, open_saver, open_store
@@ -252,17 +271,7 @@ async def run_task(
                     for event in stream_events(mode, chunk):
                         on_event(event)
             records: list[RouteRecord] = list(values.get("route_log", []))[before:]
-            answer = next((m for m in reversed(values.get("messages", [])) if isinstance(m, AIMessage)), None)
-            result = RunResult(
-                answer=answer.text if answer is not None else None,
-                thread_id=thread,
-                route_log=records,
-                totals=totals_of(records),
-                cloud_share=CloudShare.of(records).as_dict(),
-                turn=int(values.get("turn", 0)),
-                truncated=answer is not None and answer.response_metadata.get("finish_reason") == "length",
-                answer_s=round(time.monotonic() - started, 3),
-            )
+            result = RunResult.of(values, thread, records, answer_s=round(time.monotonic() - started, 3))
             if on_turn_end is not None:
                 on_turn_end(result)
             # Background memory jobs use the store and the providers: finish them before closing either.
