@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
@@ -41,27 +42,30 @@ _OVERFLOW_HINTS = (
 )
 
 
-def context_overflow(error: BaseException) -> bool:
-    """Whether ``error`` (or its cause) says the request exceeds the provider's context window."""
+def causes(error: BaseException, *, context: bool = False) -> Iterator[BaseException]:
+    """``error``, then what caused it (``__cause__``; with ``context``, else ``__context__``), each once."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        yield current
+        current = current.__cause__ or (current.__context__ if context else None)
+
+
+def context_overflow(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) says the request exceeds the provider's context window."""
+    for current in causes(error):
         if isinstance(current, _OVERFLOW_ERRORS):
             return True
         text = f"{current} {_attr(current, 'body')!r} {_attr(current, 'code')!r}"
         if any(hint in text for hint in _OVERFLOW_HINTS):
             return True
-        current = current.__cause__
     return False
 
 
 def overflow_numbers(error: BaseException) -> tuple[int | None, int | None]:
     """``(prompt tokens, window)`` a context-size error reports (llama-server: n_prompt_tokens, n_ctx)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in causes(error):
         body = _attr(current, "body")
         details = body.get("error", body) if isinstance(body, dict) else None
         if isinstance(details, dict):
@@ -71,7 +75,6 @@ def overflow_numbers(error: BaseException) -> tuple[int | None, int | None]:
                     prompt if isinstance(prompt, int) else None,
                     window if isinstance(window, int) else None,
                 )
-        current = current.__cause__
     return None, None
 
 
@@ -125,14 +128,10 @@ _LOOP_HINTS = ("bound to a different event loop", "attached to a different loop"
 
 def _loop_bound(error: BaseException) -> bool:
     """Whether ``error`` (or a cause) is a client used from an event loop it does not belong to."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, RuntimeError) and any(hint in str(current) for hint in _LOOP_HINTS):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(
+        isinstance(current, RuntimeError) and any(hint in str(current) for hint in _LOOP_HINTS)
+        for current in causes(error, context=True)
+    )
 
 
 def what_answered(response: httpx.Response) -> str:
@@ -177,10 +176,7 @@ def classify(error: BaseException) -> ErrorClass:
         return "context_overflow"
     if _loop_bound(error):
         return "other"  # our use of a client, not the provider: never a health failure
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in causes(error):
         if isinstance(current, MalformedAnswer):
             return "malformed_response"
         code = status_code(current)
@@ -200,7 +196,6 @@ def classify(error: BaseException) -> ErrorClass:
             return "malformed_response"
         if isinstance(current, openai.APIError):
             return "server_error"  # an error the server sent in place of an answer (an SSE ``error`` event)
-        current = current.__cause__
     return "other"
 
 

@@ -45,6 +45,7 @@ from langchain_core.language_models import BaseChatModel
 from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
 from fusion_graph.coordination.slot_leases import LeaseAsk, SlotClaim
 from fusion_graph.coordination.slot_turns import TURNS, SlotTurns
+from fusion_graph.providers.health import causes
 from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ServerProps, slot_states, warm_slot
 from fusion_graph.providers.slots import SlotPool, box_name, routing_key
@@ -225,14 +226,7 @@ WARM_WAIT_S = 0.05
 
 def refused(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) says the connection itself failed: nothing was sent."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, _REFUSED):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(current, _REFUSED) for current in causes(error, context=True))
 
 
 class LeaseTable(Protocol):
