@@ -59,13 +59,12 @@ def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> str 
             continue
         top = {alt.get("token"): alt.get("logprob") for alt in want.get("top_logprobs") or []}
         chosen, theirs = want.get("logprob"), top.get(got.get("token"))
-        if isinstance(chosen, float | int) and isinstance(theirs, float | int) and chosen - theirs <= MARGIN:
-            return None
-        gap = (
-            f"{chosen - theirs:.3f} nats below"
-            if isinstance(theirs, float | int)
-            else f"not in the top {TOP}"
-        )
+        if isinstance(chosen, float | int) and isinstance(theirs, float | int):
+            if chosen - theirs <= MARGIN:
+                return None
+            gap = f"{chosen - theirs:.3f} nats below"
+        else:
+            gap = f"not in the top {TOP}"
         return f"token {index}: {got.get('token')!r} under load, {want.get('token')!r} alone ({gap})"
     if len(loaded) != len(solo):
         return f"{len(loaded)} tokens under load, {len(solo)} alone"
