@@ -9,7 +9,6 @@ with default settings, never hold back each other's memory jobs.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -27,21 +26,7 @@ from fusion_graph.errors import InvalidThreadId
 from fusion_graph.memory.job_log import thread_entries
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.served import graph_over, turn_state
-
-ODD_IDS = {"surrogate": "t\ud800x", "nul": "a\x00b", "long": "x" * 2000}
-MEMORIES = json.dumps({"items": [{"kind": "fact", "text": "The user looked a up."}]})
-NS = memory.namespace("fusion", "anonymous")
-CONTEXT = FusionContext(memory_mode="background", sub_runners="local", shadow_share=1.0)
-
-
-def local_reply(body: dict[str, Any]) -> Reply:
-    """llama-server's side: the memory job's JSON when a schema is asked for, else the turn's answer."""
-    return Reply(content=MEMORIES if body.get("response_format") else "done")
-
-
-def cloud_replies() -> list[Reply]:
-    """The cloud plans one ``lookup`` (the next step runs on local), then answers shadow checks."""
-    return [Reply(content="plan", tool_calls=[("lookup", {"key": "a"})]), Reply(content="done")]
+from tests.unit.test_thread_ids import CONTEXT, NS, ODD_IDS, cloud_replies, local_reply
 
 
 @pytest.fixture(name="no_database_uri")
