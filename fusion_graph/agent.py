@@ -14,6 +14,7 @@ Diagram::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from langchain_core.language_models import BaseChatModel
@@ -50,7 +51,7 @@ from fusion_graph.run_queue import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.sizing.turn import last_batch, pending_calls, wants_tools
-from fusion_graph.state import Answered, InputState, State
+from fusion_graph.state import Answered, InputState, State, check_thread_ttl
 from fusion_graph.tools.workspace import make_workspace_tools
 
 GRAPH_NAME = "fusion"
@@ -118,8 +119,10 @@ def build_graph(
 
     Raises:
         ContextError: A run-context default in the environment is invalid (named).
+        UsageError: A LangGraph server set to prune threads with ``keep_latest`` (``check_thread_ttl``).
     """
     run_defaults = context_defaults()  # FUSION_<FIELD> run defaults, read now as the settings are
+    check_thread_ttl(os.environ)
     if resolver is None:
         resolver = ProviderResolver(cloud=cloud_model, local=local_model, chain=chain, settings=settings)
     elif cloud_model is not None or local_model is not None or chain is not None or settings is not None:

@@ -1,20 +1,41 @@
 """Graph state: what the caller sends in, and what the graph keeps per thread.
 
 The route records in it are ``fusion_graph.routing.records``' (no graph runtime there).
+
+``messages`` and ``route_log`` only grow with a thread's age, so they are LangGraph
+delta channels (``DeltaChannel``): a checkpoint stores each step's additions and, every
+``SNAPSHOT_EVERY`` updates of the channel, the whole value; a step's write no
+longer grows with the thread (docs/design.md, "Long-lived threads"). A thread
+written when they were plain reducer channels loads as is: its stored value is
+the base the later additions replay onto.
 """
 
 from __future__ import annotations
 
-import operator
+import json
+import uuid
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from langchain_core.messages import AnyMessage
-from langgraph.graph.message import add_messages
+from langchain_core.messages import (
+    AnyMessage,
+    BaseMessage,
+    BaseMessageChunk,
+    RemoveMessage,
+    convert_to_messages,
+    message_chunk_to_message,
+)
+from langgraph.channels import DeltaChannel
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.graph import START, StateGraph
+from langgraph.graph.message import REMOVE_ALL_MESSAGES as REMOVE_ALL
+from langgraph.graph.state import CompiledStateGraph
 
 # NOTE: typing_extensions.TypedDict, not typing.TypedDict: on Python 3.11 the
 # LangGraph server's schema endpoint rejects the latter.
 from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
+from fusion_graph.errors import UsageError
 from fusion_graph.routing.records import RouteRecord, add_totals
 from fusion_graph.routing.score import Leg
 
@@ -57,16 +78,96 @@ class Stall(TypedDict):
     retry_in_s: float | None
 
 
+#: Updates of ``messages`` between two whole copies of it in a checkpoint: a turn of one tool call
+#: updates it four times (the user's message, the plan, the tool's result, the reply), so every
+#: 25 such turns. Loading a thread replays the updates since the last copy: a higher number writes
+#: the whole history less often and replays more (``python -m bench.long_thread``).
+SNAPSHOT_EVERY = 100
+#: ``route_log`` is updated half as often (a record per inference), so it is copied at half the
+#: count: both copies land on the same turns and a load walks back to one place.
+LOG_SNAPSHOT_EVERY = SNAPSHOT_EVERY // 2
+#: Namespace of the ids given to messages that arrive without one (``add_message_batches``).
+MESSAGE_IDS = uuid.UUID("0f6b6c36-5a8e-4c55-9a4c-0d8b5e7f2a11")
+
+
+def append_records(log: list[RouteRecord], batches: Sequence[list[RouteRecord]]) -> list[RouteRecord]:
+    """``route_log``'s reducer: each batch of records appended in order (a new list)."""
+    return [*log, *(record for batch in batches for record in batch)]
+
+
+def _with_ids(batch: Any, start: int) -> list[Any]:
+    """``batch`` as messages, each with an id that replaying the write gives again.
+
+    ``add_messages`` stamps a message without an id with a random one, and a
+    delta channel replays the stored write when the thread is loaded: were the
+    write stored before the stamp, the id would change at every load. This one
+    is derived from the message and its place, and stamped on the message
+    itself, as LangGraph stamps it, so every later read of the write sees it.
+    """
+    named: list[Any] = []
+    for offset, item in enumerate(batch if isinstance(batch, list) else [batch]):
+        if isinstance(item, BaseMessageChunk):
+            item = message_chunk_to_message(item)
+        elif not isinstance(item, BaseMessage):
+            item = convert_to_messages([item])[0]
+        if item.id is None:
+            seed = f"{start + offset}:{item.type}:{item.model_dump_json(exclude={'id'})}"
+            item.id = str(uuid.uuid5(MESSAGE_IDS, seed))
+        named.append(item)
+    return named
+
+
+def add_message_batches(messages: list[AnyMessage], batches: Sequence[Any]) -> list[AnyMessage]:
+    """``messages``' reducer: what ``add_messages`` gives batch after batch, in one pass.
+
+    A thread's load replays up to ``SNAPSHOT_EVERY`` stored writes; folding
+    ``add_messages`` over them would rebuild the history's id index for each.
+    The same rules, per batch: a message whose id is known replaces it in place,
+    a new one is appended, ``RemoveMessage`` drops its id (an unknown one is an
+    error), and ``REMOVE_ALL_MESSAGES`` starts the history again after it.
+    """
+    merged = list(messages)
+    where = {m.id: i for i, m in enumerate(merged)}
+    for batch in batches:
+        named = _with_ids(batch, len(merged))
+        cleared = [i for i, m in enumerate(named) if isinstance(m, RemoveMessage) and m.id == REMOVE_ALL]
+        if cleared:
+            merged = named[cleared[-1] + 1 :]
+            where = {m.id: i for i, m in enumerate(merged)}
+            continue
+        removed: set[str | None] = set()
+        for message in named:
+            known = where.get(message.id)
+            if isinstance(message, RemoveMessage):
+                if known is None:
+                    raise ValueError(f"no message with the id {message.id!r} to remove (RemoveMessage)")
+                removed.add(message.id)
+            elif known is None:
+                where[message.id] = len(merged)
+                merged.append(message)
+            else:
+                removed.discard(message.id)
+                merged[known] = message
+        if removed:
+            merged = [m for m in merged if m.id not in removed]
+            where = {m.id: i for i, m in enumerate(merged)}
+    return merged
+
+
 class InputState(TypedDict):
     """What a caller sends: new messages (usually one user message)."""
 
-    messages: Annotated[list[AnyMessage], add_messages]
+    messages: Annotated[
+        list[AnyMessage], DeltaChannel(add_message_batches, snapshot_frequency=SNAPSHOT_EVERY)
+    ]
 
 
 class State(InputState):
     """Per-thread state; everything except ``messages`` is managed by the graph."""
 
-    route_log: NotRequired[Annotated[list[RouteRecord], operator.add]]
+    route_log: NotRequired[
+        Annotated[list[RouteRecord], DeltaChannel(append_records, snapshot_frequency=LOG_SNAPSHOT_EVERY)]
+    ]
     totals: NotRequired[Annotated[dict[str, Any], add_totals]]
     """Running totals of the thread: ``cost_usd``, ``unpriced`` inferences, tokens per leg."""
     # NOTE: the fields below describe the turn in progress and are reset by `plan`.
@@ -108,3 +209,45 @@ class Answered(InputState):
 
     leg: NotRequired[Leg]
     stall: NotRequired[Stall | None]
+
+
+def _nothing(state: State) -> dict[str, Any]:
+    return {}
+
+
+def state_reader(saver: BaseCheckpointSaver[Any]) -> CompiledStateGraph[Any, Any, Any, Any]:
+    """A graph over ``State`` on ``saver``, to read stored threads: ``reader.get_state(config).values``.
+
+    A checkpoint of a delta channel holds only the step's additions, so a thread's
+    ``messages`` and ``route_log`` are read the way LangGraph loads them (replayed
+    from the last whole copy), never from ``checkpoint["channel_values"]``.
+    """
+    builder = StateGraph(State)
+    builder.add_node("read", _nothing)
+    builder.add_edge(START, "read")
+    return builder.compile(checkpointer=saver)
+
+
+def check_thread_ttl(environ: Mapping[str, str]) -> None:
+    """Refuse a LangGraph server set to prune threads with ``keep_latest``.
+
+    Kept alone, a thread's latest checkpoint holds only its last step's additions
+    to ``messages`` and ``route_log``: the thread would load empty, silently.
+
+    Raises:
+        UsageError: ``LANGGRAPH_THREAD_TTL`` (or the ``ttl`` of ``LANGGRAPH_CHECKPOINTER``,
+            ``langgraph.json``'s ``checkpointer``) has the strategy ``keep_latest``.
+    """
+    for name in ("LANGGRAPH_THREAD_TTL", "LANGGRAPH_CHECKPOINTER"):
+        raw = environ.get(name, "").strip()
+        try:
+            value = json.loads(raw) if raw.startswith("{") else None
+        except ValueError:
+            continue  # the server reports its own settings' errors
+        ttl = value.get("ttl") if isinstance(value, dict) and name == "LANGGRAPH_CHECKPOINTER" else value
+        if isinstance(ttl, dict) and ttl.get("strategy") == "keep_latest":
+            raise UsageError(
+                f"{name}: a thread TTL with strategy keep_latest keeps only a thread's latest checkpoint, "
+                "which holds its last step's messages, not the whole thread; use strategy delete "
+                "(docs/deploying.md, long-lived threads)"
+            )

@@ -73,7 +73,7 @@ from bench.kv.workers import PlacementKind, parse_counts, truncate_plan, worker_
 from bench.kv.workers_results import PlacedStep, summarize_workers
 from bench.traces import add_trace_arguments, explained, trace_files, write_results
 from fusion_graph.providers.slots import box_name
-from fusion_graph_testing.answers import Exchange, divergent
+from fusion_graph_testing.answers import MARGIN, TOP, WIDE_TOP, Exchange, divergent
 
 if TYPE_CHECKING:
     from fusion_graph_testing import LlamaServer
@@ -82,9 +82,16 @@ if TYPE_CHECKING:
 Policy = Literal["shared", "in-process", "no-slot"]
 POLICIES: tuple[Policy, ...] = ("shared", "in-process", "no-slot")
 #: What the boxes are started with besides ``-np``: nothing, or what docs/deploying.md prescribes.
-Flags = Literal["defaults", "documented"]
+#: ``no-host-cache``: the documented flags with the host prompt cache off, the control that measures
+#: what batching alone changes in the answers.
+Flags = Literal["defaults", "documented", "no-host-cache"]
 FLAG_SETS: tuple[Flags, ...] = ("defaults", "documented")
-BOX_FLAGS: dict[Flags, tuple[str, ...]] = {"defaults": (), "documented": ("--slot-prompt-similarity", "1")}
+BOX_FLAGS: dict[Flags, tuple[str, ...]] = {
+    "defaults": (),
+    "documented": ("--slot-prompt-similarity", "1"),
+    "no-host-cache": ("--slot-prompt-similarity", "1", "--cache-ram", "0"),
+}
+DEFAULT_CACHE_RAM = "--cache-ram (llama-server's default)"
 #: Greedy tokens of each answer compared with ``--check-answers``.
 ANSWER_TOKENS = 8
 #: Conversation slots in all (over every box), unless ``--slots`` says otherwise.
@@ -153,7 +160,7 @@ async def replay(
 ) -> tuple[list[PlacedStep], float, list[Exchange]]:
     """Every turn, round robin, ``at_once`` (default ``slots``) at a time; a thread's turns in order.
 
-    The steps, the seconds, and (``answer_tokens``: that many greedy tokens each, with their top 3)
+    The steps, the seconds, and (``answer_tokens``: that many greedy tokens each, with their top 20)
     every local request with its answer.
     """
     box_index = {box_name(url): i for i, url in enumerate(box_urls)}
@@ -180,7 +187,7 @@ async def replay(
                 "temperature": 0,
             }
             if answer_tokens is not None:
-                body |= {"logprobs": True, "top_logprobs": 3}
+                body |= {"logprobs": True, "top_logprobs": TOP}
             response = await client.post(f"{box_urls[0]}/v1/chat/completions", json=body)
             response.raise_for_status()
             if answer_tokens is not None:
@@ -404,9 +411,9 @@ def parse_policies(text: str) -> tuple[Policy, ...]:
 def parse_flags(text: str) -> tuple[Flags, ...]:
     """``"defaults,documented"`` -> those flag sets; an unknown name is refused."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    known: dict[str, Flags] = {f: f for f in FLAG_SETS}
+    known: dict[str, Flags] = {f: f for f in BOX_FLAGS}
     if not names or any(name not in known for name in names):
-        raise argparse.ArgumentTypeError(f"flags: {text!r}: each one of {list(FLAG_SETS)}")
+        raise argparse.ArgumentTypeError(f"flags: {text!r}: each one of {list(BOX_FLAGS)}")
     return tuple(dict.fromkeys(known[name] for name in names))
 
 
@@ -563,12 +570,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{'every thread' if args.all_at_once else args.slots} turns at once; thread i's turn k on worker "
         "(i + k) % N, released at its end",
         "cloud_share": args.cloud_share,
-        "box_flags": {f: [*BOX_FLAGS[f], "--cache-ram (llama-server's default)"] for f in args.flags},
+        "box_flags": {
+            f: [*BOX_FLAGS[f], *([] if "--cache-ram" in BOX_FLAGS[f] else [DEFAULT_CACHE_RAM])]
+            for f in args.flags
+        },
         "slot_warm_up": "none by hand: the placement warms each box's empty slots on first contact",
         "answers": (
-            f"every local answer ({args.answer_tokens} greedy tokens, top 3) sent again alone to a "
-            "--cache-ram 0 server with cache_prompt false; divergent: at the first differing token, "
-            "the loaded token is not in the alone answer's top 3"
+            f"every local answer ({args.answer_tokens} greedy tokens, top {TOP}) sent again alone to a "
+            "--cache-ram 0 server with cache_prompt false; divergent: at the first differing token, the "
+            f"loaded token is more than {MARGIN} nats below the alone answer's own among its top {TOP} "
+            f"(top {WIDE_TOP} where it is not among the {TOP})"
             if args.check_answers
             else None
         ),

@@ -39,6 +39,7 @@ from bench.traces import REPO_ROOT
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.providers.slots import box_name
+from fusion_graph_testing.answers import TOP
 from fusion_graph_testing.llama_server import HOST, free_port
 from fusion_graph_testing.process import ManagedProcess
 
@@ -71,8 +72,10 @@ async def serve(port: int) -> None:
                     "temperature": 0,
                     **(sent.body("local") or {}),
                 }
-                if request.get("answer_tokens"):  # for the answers check: the tokens and their top 3
-                    body |= {"logprobs": True, "top_logprobs": 3}
+                if request.get(
+                    "answer_tokens"
+                ):  # for the answers check: the tokens and their top alternatives
+                    body |= {"logprobs": True, "top_logprobs": TOP}
                 try:
                     response = await client.post(
                         f"{url}/chat/completions", json=body, headers=dict(sent.headers or {})

@@ -110,6 +110,8 @@ def stored_threads(db: Path, thread: str | None = None) -> dict[str, StoredThrea
     """
     from langgraph.checkpoint.sqlite import SqliteSaver
 
+    from fusion_graph.state import state_reader
+
     if not db.is_file():
         raise fail(f"no checkpoint database at {db} (fusion-graph run writes {DEFAULT_DB} by default)")
     threads: dict[str, StoredThread] = {}
@@ -118,11 +120,12 @@ def stored_threads(db: Path, thread: str | None = None) -> dict[str, StoredThrea
         if thread is not None and thread not in firsts:
             raise fail(f"thread {thread!r} is not in {db}")
         saver = SqliteSaver(connection)
+        reader = state_reader(saver)
         for thread_id, first_id in firsts.items():
             config: Any = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
             latest = saver.get_tuple(config)
             first = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": first_id}})
-            values = latest.checkpoint["channel_values"] if latest is not None else {}
+            values = reader.get_state(config).values if latest is not None else {}
             threads[thread_id] = StoredThread(
                 route_log=list(values.get("route_log", [])),
                 started_at=first.checkpoint.get("ts") if first is not None else None,
@@ -227,6 +230,8 @@ def _read_threads(
     """Fill ``threads`` from an open connection (``postgres_threads``), each query under the timeout."""
     from langgraph.checkpoint.postgres import PostgresSaver
 
+    from fusion_graph.state import state_reader
+
     connection.execute(f"SET statement_timeout = '{POSTGRES_STATEMENT_TIMEOUT_S}s'")
     found = connection.execute("SELECT to_regclass('checkpoints') AS t").fetchone()
     if found is None or found["t"] is None:
@@ -235,6 +240,7 @@ def _read_threads(
     if thread is not None and not rows:
         raise fail(f"thread {thread!r} is not in the database")
     saver = PostgresSaver(connection)
+    reader = state_reader(saver)
     for row in rows:
         config: Any = {"configurable": {"thread_id": str(row["thread_id"]), "checkpoint_ns": ""}}
         latest = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": row["last"]}})
@@ -243,7 +249,7 @@ def _read_threads(
             continue
         if since is not None and datetime.fromisoformat(latest.checkpoint["ts"]) < since:
             continue
-        values = latest.checkpoint["channel_values"]
+        values = reader.get_state(latest.config).values
         threads[str(row["thread_id"])] = StoredThread(
             route_log=list(values.get("route_log", [])),
             started_at=first.checkpoint.get("ts") if first is not None else None,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import operator
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any
 
@@ -47,6 +46,7 @@ from langchain.agents.middleware.types import (
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import BaseTool
+from langgraph.channels import DeltaChannel
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 from langgraph.prebuilt.tool_node import TOOL_CALL_ERROR_TEMPLATE
@@ -70,7 +70,7 @@ from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
 from fusion_graph.sizing.turn import turn_start
-from fusion_graph.state import PromptAnchor, State, StepTally
+from fusion_graph.state import LOG_SNAPSHOT_EVERY, PromptAnchor, State, StepTally, append_records
 from fusion_graph.tools.batch import malformed_call_message
 from fusion_graph.tools.files import check_run_root
 
@@ -82,7 +82,9 @@ NOT_A_CONTEXT = (str, bytes, bytearray, int, float, complex, list, tuple, set, f
 class FusionRoutingState(AgentState[Any]):
     """What the middleware keeps in the agent's state: the graph's route log and what routing reads."""
 
-    route_log: NotRequired[Annotated[list[RouteRecord], operator.add]]
+    route_log: NotRequired[
+        Annotated[list[RouteRecord], DeltaChannel(append_records, snapshot_frequency=LOG_SNAPSHOT_EVERY)]
+    ]
     totals: NotRequired[Annotated[dict[str, Any], add_totals]]
     leg: NotRequired[Leg]
     provider: NotRequired[str | None]

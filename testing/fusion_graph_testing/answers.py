@@ -8,7 +8,9 @@ are compared. A tiny random model's distributions are flat, so two tokens can
 tie and batching noise may pick either: at the first position where the two
 answers differ, the difference is *material* only when the token given under
 load is not among the alone answer's top tokens there, within a small margin of
-the alone answer's own token (``difference``).
+the alone answer's own token (``difference``). Where its top 20 all lie within
+that margin and the token is not among them, the alone run is asked again for
+its top ``WIDE_TOP`` (``divergent``).
 """
 
 from __future__ import annotations
@@ -36,22 +38,26 @@ def tokens(answer: dict[str, Any]) -> list[dict[str, Any]]:
 
 #: Alternatives the alone run reports at each position.
 TOP = 20
+#: Alternatives asked for again where the token given under load is not among the alone run's
+#: ``TOP``: a tiny model's top 20 can lie within a fraction of a nat, so a token outside them may
+#: still be a tie; this many settle it (llama-server ranks the whole vocabulary for them).
+WIDE_TOP = 2000
 #: Nats below the alone run's own token within which a token given under load is a tie broken the
 #: other way (batching and restored prefixes change the last bits of the logits), not a change.
 MARGIN = 0.5
 
 
-def alone(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` as sent alone: no slot, no prompt cache; greedy with the top ``TOP`` kept."""
+def alone(body: dict[str, Any], top: int = TOP) -> dict[str, Any]:
+    """``body`` as sent alone: no slot, no prompt cache; greedy with the top ``top`` kept."""
     sent = {k: v for k, v in body.items() if k not in ("id_slot", "stream", "stream_options")}
-    return {**sent, "cache_prompt": False, "temperature": 0, "logprobs": True, "top_logprobs": TOP}
+    return {**sent, "cache_prompt": False, "temperature": 0, "logprobs": True, "top_logprobs": top}
 
 
 def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> str | None:
     """Where ``loaded`` leaves ``solo`` materially (see the module docstring); ``None``: it does not.
 
     At the first position the two differ, the token given under load is a tie broken the other way
-    when the alone run ranks it among its top ``TOP`` within ``MARGIN`` nats of its own token; from
+    when the alone run ranks it among its top alternatives within ``MARGIN`` nats of its own token; from
     there on the two contexts differ, so nothing after it is compared.
     """
     for index, (got, want) in enumerate(zip(loaded, solo, strict=False)):
@@ -64,7 +70,7 @@ def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> str 
                 return None
             gap = f"{chosen - theirs:.3f} nats below"
         else:
-            gap = f"not in the top {TOP}"
+            gap = f"not in the top {len(top)}"
         return f"token {index}: {got.get('token')!r} under load, {want.get('token')!r} alone ({gap})"
     if len(loaded) != len(solo):
         return f"{len(loaded)} tokens under load, {len(solo)} alone"
@@ -86,6 +92,10 @@ async def divergent(client: httpx.AsyncClient, exchanges: list[Exchange]) -> lis
             found.append(f"request {number}: no logprobs in an answer (ask with logprobs and top_logprobs)")
             continue
         where = difference(loaded, solo)
+        if where is not None and where.endswith(f"(not in the top {TOP})"):  # a flat top: ask for more
+            response = await client.post("/chat/completions", json=alone(exchange.body, WIDE_TOP))
+            response.raise_for_status()
+            where = difference(loaded, tokens(response.json()))
         if where is not None:
             slot = exchange.body.get("id_slot")
             found.append(f"request {number} (slot {slot}): {where}")

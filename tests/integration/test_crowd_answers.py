@@ -3,10 +3,11 @@
 Threads run at once through the graph itself on a real llama-server with its host
 prompt cache on (``--cache-ram``); every request it answered is then sent again,
 alone, to a fresh server with no host cache and ``cache_prompt: false``, and the
-two answers' tokens are compared (greedy, with the replay's top 3 at each
-position). A control runs the same traffic on a server with the host cache off,
-to show what batching alone changes. The full version, at 3x and 10x the slots
-over workers and boxes, is ``python -m bench.kv.crowd --check-answers``.
+two answers' tokens are compared (greedy, judged by the alone run's top tokens
+and their logprobs, ``fusion_graph_testing.answers``). A control runs the same
+traffic on a server with the host cache off, to show what batching alone changes.
+The full version, at 3x and 10x the slots over workers and boxes, is
+``python -m bench.kv.crowd --check-answers``.
 """
 
 from __future__ import annotations

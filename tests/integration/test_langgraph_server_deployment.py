@@ -85,6 +85,46 @@ async def test_threads_whose_turns_run_on_both_server_workers_stay_warm_on_one_l
     assert len(slots) == 8  # no two threads on one slot, whichever worker placed them
 
 
+async def test_a_long_thread_on_both_server_workers_writes_as_much_a_turn_late_as_early(
+    start_langgraph_server: StartServer, llama_server: LlamaServer
+) -> None:
+    """Thirty turns of one thread, alternating workers: every turn kept, ids stable, flat writes a turn.
+
+    ``messages`` and ``route_log`` are delta channels, so the server's Postgres
+    checkpointer stores each step's additions: the last turns add about what the
+    first ones did, where whole channels would add ever more.
+    """
+    from bench.long_thread import postgres_meter
+
+    server = start_langgraph_server(
+        shared(
+            FUSION_CLOUD_BASE_URL="http://127.0.0.1:9/v1",  # mode local: the cloud is never asked
+            FUSION_LOCAL_BASE_URL=llama_server.openai_base_url,
+        ),
+        workers=2,
+    )
+    clients: list[Any] = [get_client(url=url) for url in server.urls]
+    assistant = await assistant_of(clients[0])
+    thread = (await clients[0].threads.create())["thread_id"]
+    meter = postgres_meter(server.database_url)
+    added: list[int] = []
+    ids: list[str] = []
+    for k in range(30):
+        before = meter()[1]
+        turn = Turn(clients[k % 2], assistant, thread, f"turn {k}: one line", "wait", LOCAL)
+        values = await bounded(turn.run(), f"turn {k}", server)
+        added.append(meter()[1] - before)
+        assert values is not None and len(values["messages"]) == 2 * (k + 1)
+        assert [m["id"] for m in values["messages"][: len(ids)]] == ids, "an earlier message changed id"
+        ids = [m["id"] for m in values["messages"]]
+    state = await clients[1].threads.get_state(thread)
+    assert_unique_ids(state["values"])
+    assert [m["id"] for m in state["values"]["messages"]] == ids
+    assert [r["turn"] for r in state["values"]["route_log"]] == list(range(30))
+    early, late = sorted(added[1:6])[2], sorted(added[-5:])[2]
+    assert late <= 2 * early, f"turn 30 added {late} bytes, turn 2-6 {early} (median)"
+
+
 async def memories(client: Any) -> list[dict[str, Any]]:
     found = await client.store.search_items(["fusion_memories"], limit=100)
     return [item for item in found["items"] if item["namespace"][0] == "fusion_memories"]

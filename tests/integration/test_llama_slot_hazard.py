@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from fusion_graph_testing import LlamaServer
+from fusion_graph_testing.answers import TOP, Exchange, divergent
 
 pytestmark = pytest.mark.llama
 
@@ -47,6 +48,17 @@ def hazard_server(llama_server_bin: Path, tiny_model: Path, tmp_path: Path) -> I
         yield server
 
 
+async def generating(client: httpx.AsyncClient, slots: str, task: asyncio.Task[Any]) -> None:
+    """Until slot 0 is generating (a few ms on any machine; bounded), while ``task`` still runs."""
+    for _ in range(3000):
+        slot = (await client.get(slots)).json()[0]
+        decoded = (slot.get("next_token") or [{}])[0].get("n_decoded", 0)
+        if slot["is_processing"] and decoded > 8:
+            break
+        await asyncio.sleep(0.005)
+    assert not task.done(), "the running generation ended before the other requests were sent"
+
+
 async def generation_beside(server: LlamaServer, others: dict[str, Any]) -> tuple[str, str]:
     """The running generation on slot 0 alone, then again with three requests ``others`` arriving mid-way."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
@@ -56,13 +68,7 @@ async def generation_beside(server: LlamaServer, others: dict[str, Any]) -> tupl
         for prompt in (CACHED, "echo foxtrot " * 30):
             await client.post("/completion", json={"prompt": prompt, "n_predict": 1, "id_slot": 1})
         task = asyncio.create_task(client.post("/completion", json=running))
-        for _ in range(3000):  # until slot 0 is generating (a few ms on any machine; bounded)
-            slot = (await client.get("/slots")).json()[0]
-            decoded = (slot.get("next_token") or [{}])[0].get("n_decoded", 0)
-            if slot["is_processing"] and decoded > 8:
-                break
-            await asyncio.sleep(0.005)
-        assert not task.done(), "the running generation ended before the other requests were sent"
+        await generating(client, "/slots", task)
         extra = [
             asyncio.create_task(
                 client.post("/completion", json={"prompt": f"{CACHED} golf {i}", "n_predict": 1, **others})
@@ -87,3 +93,36 @@ async def test_a_request_naming_a_busy_slot_corrupts_the_generation_running_ther
 async def test_requests_naming_no_slot_leave_the_running_generation_alone(hazard_server: LlamaServer) -> None:
     alone, beside = await generation_beside(hazard_server, {"cache_prompt": True})
     assert beside == alone
+
+
+async def test_the_answers_check_calls_the_corrupted_generation_divergent(hazard_server: LlamaServer) -> None:
+    """``fusion_graph_testing.answers`` (what the crowd checks judge by) tells corruption from a near-tie.
+
+    The same hazard through the chat endpoint with the tokens' logprobs: the
+    generation that met requests naming its busy slot is judged divergent from the
+    same request run alone, by the margin rule the crowd tests and benchmark use.
+    """
+    body = {
+        "messages": [{"role": "user", "content": RUNNING["prompt"]}],
+        "max_tokens": RUNNING_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": TOP,
+    }
+    async with httpx.AsyncClient(base_url=hazard_server.openai_base_url, timeout=300) as client:
+        for prompt in (CACHED, "echo foxtrot " * 30):  # CACHED into the host cache, as above
+            await client.post("/completions", json={"prompt": prompt, "max_tokens": 1, "id_slot": 1})
+        running = {**body, "id_slot": 0, "cache_prompt": False}
+        task = asyncio.create_task(client.post("/chat/completions", json=running))
+        await generating(client, f"{hazard_server.base_url}/slots", task)
+        others = [
+            client.post(
+                "/completions",
+                json={"prompt": f"{CACHED} golf {i}", "max_tokens": 1, "id_slot": 0, "cache_prompt": True},
+            )
+            for i in range(3)
+        ]
+        await asyncio.gather(*others)
+        beside = (await task).json()
+        found = await divergent(client, [Exchange(running, beside)])
+    assert len(found) == 1, f"the corrupted generation was judged a tie: {found}"

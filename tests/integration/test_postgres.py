@@ -177,3 +177,29 @@ def test_doctor_names_the_postgres_version_as_postgres_prints_it(postgres_db: st
     assert check.status == "ok", check
     found = re.search(r"\(PostgreSQL (\d+)\.(\d+)\)", check.detail)
     assert found is not None and int(found[1]) >= 10, check.detail
+
+
+async def test_a_long_thread_s_late_steps_write_about_what_its_first_did(postgres_db: str) -> None:
+    """On Postgres as on SQLite: turn 40's steps write what turn 1's did, and ``report`` reads it all."""
+    import statistics
+
+    from typer.testing import CliRunner
+
+    from bench.long_thread import postgres_meter, run_thread
+    from fusion_graph.cli.app import app
+
+    async with AsyncPostgresSaver.from_conn_string(postgres_db) as saver:
+        await saver.setup()
+        figures = await run_thread("fusion", saver, postgres_meter(postgres_db), 40)
+        state = await saver.aget_tuple({"configurable": {"thread_id": "long-fusion"}})
+    assert state is not None
+    first = figures[0].step_bytes
+    late = statistics.median(f.step_bytes for f in figures[-10:])
+    assert late <= 2 * first, f"a step of turn 40 writes {late:.0f} bytes, one of turn 1 {first:.0f}"
+    half, whole = figures[19].bytes_stored, figures[-1].bytes_stored
+    assert whole <= 2.3 * half, f"stored {half} bytes after 20 turns and {whole} after 40: not linear"
+
+    result = CliRunner().invoke(app, ["report", "--postgres", postgres_db, "--json"])
+    assert result.exit_code == 0, result.output
+    thread = json.loads(result.output)["threads"]["long-fusion"]
+    assert (thread["turns"], thread["plans"], thread["continuation_steps"]) == (40, 40, 40)

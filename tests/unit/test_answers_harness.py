@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from fusion_graph_testing.answers import MARGIN, alone, difference
+import httpx
+
+from fusion_graph_testing.answers import MARGIN, TOP, WIDE_TOP, Exchange, alone, difference, divergent
 
 
 def token(text: str, logprob: float, top: dict[str, float] | None = None) -> dict[str, Any]:
@@ -39,3 +42,33 @@ def test_the_alone_request_names_no_slot_and_caches_nothing() -> None:
     sent = alone({"messages": [], "id_slot": 3, "cache_prompt": True, "stream": True, "temperature": 0.7})
     assert "id_slot" not in sent and "stream" not in sent
     assert sent["cache_prompt"] is False and sent["temperature"] == 0 and sent["logprobs"] is True
+
+
+def answer_of(*positions: dict[str, Any]) -> dict[str, Any]:
+    return {"choices": [{"logprobs": {"content": list(positions)}}]}
+
+
+async def judged(wide: dict[str, float]) -> tuple[list[str], list[int]]:
+    """``divergent`` over one exchange whose loaded token is outside the alone top 20: asks twice."""
+    flat = {f"t{i}": -10.0 - i / 100 for i in range(TOP)}  # a tiny model's top 20: 0.2 nats in all
+    asked: list[int] = []
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        top = json.loads(request.content)["top_logprobs"]
+        asked.append(top)
+        alternatives = flat if top == TOP else wide
+        return httpx.Response(200, json=answer_of(token("t0", -10.0, alternatives)))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(serve), base_url="http://alone") as client:
+        found = await divergent(client, [Exchange({"messages": []}, answer_of(token("x", -9.0)))])
+    return found, asked
+
+
+async def test_a_token_outside_a_flat_top_20_is_looked_for_among_more() -> None:
+    """The alone run's top 20 lie within 0.2 nats: the token under load is looked for in its top 2,000."""
+    tie, asked = await judged({"t0": -10.0, "x": -10.0 - MARGIN / 2})
+    assert tie == [] and asked == [TOP, WIDE_TOP]
+    far, _ = await judged({"t0": -10.0, "x": -10.0 - 3 * MARGIN})
+    assert len(far) == 1 and "nats below" in far[0]
+    missing, _ = await judged({"t0": -10.0})
+    assert len(missing) == 1 and "not in the top 1" in missing[0]
