@@ -6,7 +6,9 @@ message, the plan on the cloud model, one tool call on the local one, the reply
 show). After each turn the checkpointer's tables are summed: bytes stored
 (checkpoint rows, their blobs and writes), and the bytes and checkpoints the
 turn added, so a step's bytes are the turn's added bytes over its checkpoints,
-and a step's time the turn's wall time over the same count.
+and a step's time the turn's wall time over the same count; the turn's time until
+its first task starts is LangGraph loading the thread, and the rest over the
+checkpoints is a step's own time.
 
 Graphs: fusion (``build_graph``), LangChain's ``create_agent`` with its default
 state, and ``create_agent`` with ``messages`` a delta channel (the same reducer
@@ -82,6 +84,8 @@ class TurnFigures:
     bytes_added: int
     bytes_stored: int
     seconds: float
+    load_seconds: float
+    """Until the turn's first task started: LangGraph loading the thread from the checkpointer."""
 
     @property
     def step_bytes(self) -> float:
@@ -89,7 +93,13 @@ class TurnFigures:
 
     @property
     def step_ms(self) -> float:
+        """The turn's time over its checkpoints, the load included."""
         return 1000 * self.seconds / max(self.checkpoints, 1)
+
+    @property
+    def own_step_ms(self) -> float:
+        """The turn's time after the load, over its checkpoints: the steps themselves."""
+        return 1000 * (self.seconds - self.load_seconds) / max(self.checkpoints, 1)
 
 
 #: ``(checkpoints, bytes)`` the checkpointer holds now.
@@ -175,17 +185,24 @@ async def run_thread(
     for turn in range(1, turns + 1):
         graph_input: Any = {"messages": [HumanMessage(f"turn {turn}: echo the step")]}
         began = time.perf_counter()
-        if graph_name == "fusion":
-            out = await graph.ainvoke(graph_input, config, context=context)
-            assert len(out["route_log"]) == 2 * turn, "a turn of fusion records its plan and its step"
-        else:
-            out = await graph.ainvoke(graph_input, config)
+        loaded: float | None = None
+        out: dict[str, Any] = {}
+        extra = {"context": context} if graph_name == "fusion" else {}
+        async for mode, chunk in graph.astream(graph_input, config, stream_mode=["tasks", "values"], **extra):
+            if mode == "tasks" and loaded is None:
+                loaded = time.perf_counter() - began
+            elif mode == "values":
+                out = chunk
         seconds = time.perf_counter() - began
+        if graph_name == "fusion":
+            assert len(out["route_log"]) == 2 * turn, "a turn of fusion records its plan and its step"
         assert sum(isinstance(m, AIMessage) for m in out["messages"]) == 2 * turn, (
             "the thread kept every turn"
         )
         after = meter()
-        figures.append(TurnFigures(turn, after[0] - before[0], after[1] - before[1], after[1], seconds))
+        figures.append(
+            TurnFigures(turn, after[0] - before[0], after[1] - before[1], after[1], seconds, loaded or 0.0)
+        )
         before = after
     return figures
 
@@ -200,6 +217,10 @@ def summary(figures: Sequence[TurnFigures]) -> dict[str, Any]:
     mean_bytes = sum(f.bytes_added for f in window) / max(sum(f.checkpoints for f in window), 1)
     early_ms = statistics.median(f.step_ms for f in early)
     late_ms = statistics.median(f.step_ms for f in last)
+    early_own = statistics.median(f.own_step_ms for f in early)
+    late_own = statistics.median(f.own_step_ms for f in last)
+    early_load = statistics.median(1000 * f.load_seconds for f in early)
+    late_load = statistics.median(1000 * f.load_seconds for f in last)
     return {
         "turns": len(figures),
         "step_bytes_turn_1": round(first_bytes),
@@ -211,6 +232,11 @@ def summary(figures: Sequence[TurnFigures]) -> dict[str, Any]:
         "step_ms_early": round(early_ms, 2),
         "step_ms_last": round(late_ms, 2),
         "time_ratio": round(late_ms / early_ms, 2),
+        "own_step_ms_early": round(early_own, 2),
+        "own_step_ms_last": round(late_own, 2),
+        "own_time_ratio": round(late_own / early_own, 2),
+        "load_ms_early": round(early_load, 2),
+        "load_ms_last": round(late_load, 2),
     }
 
 
@@ -263,6 +289,9 @@ def table_of(results: dict[str, Any]) -> Table:
         "ms/step turns 2-11",
         "ms/step last 10",
         "time ratio",
+        "own ms/step 2-11 / last",
+        "own ratio",
+        "load ms 2-11 / last",
     ):
         table.add_column(column)
     for leaf in results.values():
@@ -277,6 +306,9 @@ def table_of(results: dict[str, Any]) -> Table:
             f"{leaf['step_ms_early']}",
             f"{leaf['step_ms_last']}",
             f"{leaf['time_ratio']}",
+            f"{leaf['own_step_ms_early']} / {leaf['own_step_ms_last']}",
+            f"{leaf['own_time_ratio']}",
+            f"{leaf['load_ms_early']} / {leaf['load_ms_last']}",
         )
     return table
 

@@ -13,7 +13,9 @@ the base the later additions replay onto.
 from __future__ import annotations
 
 import json
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
@@ -35,7 +37,7 @@ from langgraph.graph.state import CompiledStateGraph
 # LangGraph server's schema endpoint rejects the latter.
 from typing_extensions import NotRequired, TypedDict  # noqa: UP035
 
-from fusion_graph.errors import UsageError
+from fusion_graph.errors import InvalidInput, UsageError
 from fusion_graph.routing.records import RouteRecord, add_totals
 from fusion_graph.routing.score import Leg
 
@@ -117,6 +119,12 @@ def _with_ids(batch: Any, start: int) -> list[Any]:
     return named
 
 
+#: The id index of the histories ``add_message_batches`` returned last (the channel hands its
+#: value back at the next update), so a step does not index the whole history again.
+_INDEXES: OrderedDict[int, tuple[list[Any], dict[Any, int]]] = OrderedDict()
+_INDEXES_LOCK = threading.Lock()
+
+
 def add_message_batches(messages: list[AnyMessage], batches: Sequence[Any]) -> list[AnyMessage]:
     """``messages``' reducer: what ``add_messages`` gives batch after batch, in one pass.
 
@@ -124,10 +132,14 @@ def add_message_batches(messages: list[AnyMessage], batches: Sequence[Any]) -> l
     ``add_messages`` over them would rebuild the history's id index for each.
     The same rules, per batch: a message whose id is known replaces it in place,
     a new one is appended, ``RemoveMessage`` drops its id (an unknown one is an
-    error), and ``REMOVE_ALL_MESSAGES`` starts the history again after it.
+    error, ``InvalidInput``), and ``REMOVE_ALL_MESSAGES`` starts the history again after it.
     """
     merged = list(messages)
-    where = {m.id: i for i, m in enumerate(merged)}
+    known = _INDEXES.get(id(messages))
+    if known is not None and known[0] is messages and len(known[1]) == len(messages):
+        where = dict(known[1])  # the index this reducer built for the list it returned last time
+    else:
+        where = {m.id: i for i, m in enumerate(merged)}
     for batch in batches:
         named = _with_ids(batch, len(merged))
         cleared = [i for i, m in enumerate(named) if isinstance(m, RemoveMessage) and m.id == REMOVE_ALL]
@@ -140,7 +152,7 @@ def add_message_batches(messages: list[AnyMessage], batches: Sequence[Any]) -> l
             known = where.get(message.id)
             if isinstance(message, RemoveMessage):
                 if known is None:
-                    raise ValueError(f"no message with the id {message.id!r} to remove (RemoveMessage)")
+                    raise InvalidInput(f"no message with the id {message.id!r} to remove (RemoveMessage)")
                 removed.add(message.id)
             elif known is None:
                 where[message.id] = len(merged)
@@ -151,6 +163,10 @@ def add_message_batches(messages: list[AnyMessage], batches: Sequence[Any]) -> l
         if removed:
             merged = [m for m in merged if m.id not in removed]
             where = {m.id: i for i, m in enumerate(merged)}
+    with _INDEXES_LOCK:
+        _INDEXES[id(merged)] = (merged, where)
+        while len(_INDEXES) > 16:
+            _INDEXES.popitem(last=False)
     return merged
 
 

@@ -25,7 +25,7 @@ from bench.long_thread import TurnFigures, run_thread, sqlite_meter
 from bench.overhead import echo, replayed, script
 from fusion_graph import FusionContext, build_graph
 from fusion_graph.cli.app import app
-from fusion_graph.errors import UsageError
+from fusion_graph.errors import InvalidInput, UsageError
 from fusion_graph.state import add_message_batches, append_records, state_reader
 
 DATA = Path(__file__).parent / "data"
@@ -122,7 +122,7 @@ def test_the_reducers_give_one_history_whatever_the_batches() -> None:
         at_once, [[RemoveMessage(id=REMOVE_ALL_MESSAGES), HumanMessage("e", id="e")]]
     )
     assert _seen(cleared) == [("human", "e", "e")]
-    with pytest.raises(ValueError, match="no message with the id 'nope'"):
+    with pytest.raises(InvalidInput, match="no message with the id 'nope'"):
         add_message_batches(at_once, [[RemoveMessage(id="nope")]])
     records: list[Any] = [{"turn": 0}]
     batches: list[Any] = [[{"turn": 1}], [{"turn": 2}, {"turn": 3}]]
