@@ -81,7 +81,7 @@ async def measure(url: str, threads: int, steps: int) -> dict[str, Any]:
     state = SharedState(url)
     try:
         shared = LeasedPlacement(state, ServerSlots(settings, _no_props), boxes=(), box_model=None)
-        await state.box_of("warm-up", "nobody")  # connect and make the tables before timing
+        await state.leases.box_of("warm-up", "nobody")  # connect and make the tables before timing
         return {
             "threads": threads,
             "steps": steps,

@@ -43,7 +43,7 @@ from fusion_graph.nodes import (
     unavailable,
     wants_synthesis,
 )
-from fusion_graph.nodes.tools import make_tools_node
+from fusion_graph.nodes.tools import tools_node
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.resolver import ProviderResolver
@@ -148,7 +148,7 @@ def build_graph(
     builder.add_node("cloud", inference.cloud)
     builder.add_node("repair", inference.repair)
     # A Send payload (a list of one tool call), not the state, is this node's input.
-    builder.add_node("tools", make_tools_node(tool_list))
+    builder.add_node("tools", tools_node(tool_list))
     builder.add_node("route", route)
     builder.add_node("step_limit", step_limit)
     builder.add_node("give_up", give_up)

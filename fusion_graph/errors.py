@@ -34,7 +34,7 @@ that catches ``ValueError`` or ``ConnectionError`` keeps working::
 ``WorkspaceError`` is defined beside the file tools (``fusion_graph.tools.files``):
 it is a LangChain ``ToolException``, and this module stays free of LangChain so
 the CLI can import it before any command runs. ``SharedStateUnavailable`` lives
-beside the shared state (``fusion_graph.coordination.shared_state``), whose callers catch it.
+beside the shared state (``fusion_graph.coordination.shared_base``), whose callers catch it.
 
 Every message names the fix. Errors that carry a provider's failure are the
 package's own, scrubbed of secrets and never chained to the provider's

@@ -36,7 +36,7 @@ from langgraph.graph.state import CompiledStateGraph
 from pydantic import TypeAdapter
 
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.coordination.shared_state import SharedStateUnavailable
+from fusion_graph.coordination.shared_base import SharedStateUnavailable
 from fusion_graph.errors import InvalidInput, SyncInEventLoop, ThreadBusy
 from fusion_graph.inputs import (
     check_history_edits,
@@ -384,7 +384,7 @@ class FusionGraph(CompiledStateGraph[State, FusionContext, InputState, State]):
         async with contextlib.AsyncExitStack() as stack:
             while True:
                 try:
-                    held = await stack.enter_async_context(shared.thread_run(name))
+                    held = await stack.enter_async_context(shared.locks.thread_run(name))
                 except SharedStateUnavailable as error:
                     logger.debug("runs of thread %r are not serialised across processes: %s", thread, error)
                     break

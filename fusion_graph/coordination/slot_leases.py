@@ -1,6 +1,6 @@
 """Which (box, slot) a thread gets from a pool's leases: the pure rule, and this process's own table.
 
-``choose_slot`` is the rule; ``SharedState.claim_slot`` runs it on the
+``choose_slot`` is the rule; ``SharedState.leases.claim_slot`` runs it on the
 deployment's Postgres, ``LocalLeases`` on a table in this process.
 
 Kept apart from the database code so the rule is tested, and read, on its own:
@@ -166,7 +166,7 @@ class LocalLeases:
 
     The placement of an embedded graph or a single server process, and of a
     deployment's worker while its shared state cannot be reached: the same
-    three calls as ``SharedState`` (``claim_slot``, ``release_slot``,
+    three calls as ``SharedState.leases`` (``claim_slot``, ``release_slot``,
     ``box_of``), so one rule decides every placement. Thread-safe (the sync
     entry points run on a loop thread of their own).
     """

@@ -14,7 +14,7 @@ so an unnamed request beside named ones is how a named one meets a busy slot.
 
 So every local request fusion sends names a slot and holds that slot's turn while
 it runs; ``SlotTurns`` keeps those turns for this process (an embedded graph, one
-server process) and ``SharedState.slot_turn`` for a deployment's workers. The
+server process) and ``SharedState.locks.slot_turn`` for a deployment's workers. The
 turns are first come, first served across every event loop of the process (a
 sync ``invoke`` runs on a loop of its own; a server may run each run on its own).
 """

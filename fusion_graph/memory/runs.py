@@ -22,7 +22,8 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.store.base import BaseStore
 
 from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.coordination.shared_base import SharedStateUnavailable
+from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph.errors import UsageError
 from fusion_graph.memory import background
 from fusion_graph.memory.job_call import JobRunner, dropped_record, run_job
@@ -79,7 +80,7 @@ async def _keep_claim(shared: SharedState, key: str, owner: str, lease_s: float)
     while True:
         await asyncio.sleep(lease_s / 3)
         try:
-            if not await shared.renew_job(key, owner, lease_s):
+            if not await shared.jobs.renew_job(key, owner, lease_s):
                 return
         except SharedStateUnavailable:
             continue
@@ -172,7 +173,9 @@ class MemoryRuns:
         shared = self.resolver.shared
         if shared is not None and pending:
             try:
-                claims = await shared.job_claims([ticket_of(entry, ns).claim_key for ns, entry in pending])
+                claims = await shared.jobs.job_claims(
+                    [ticket_of(entry, ns).claim_key for ns, entry in pending]
+                )
             except SharedStateUnavailable as error:
                 logger.warning("memory jobs: deciding in this process only: %s", error)
             else:
@@ -232,7 +235,7 @@ class MemoryRuns:
             await write_entry(store, ticket, done_entry(entry, dropped))
             if shared is not None and owner is not None and owner.claimed:
                 with contextlib.suppress(SharedStateUnavailable):
-                    await shared.finish_job(ticket.claim_key, owner.name)
+                    await shared.jobs.finish_job(ticket.claim_key, owner.name)
             return None
         again = pending_entry(
             ticket, self.memory_jobs, lease_s=self.lease_s, created_at=entry.get("created_at")
@@ -264,7 +267,7 @@ class MemoryRuns:
             return None
         name = job_owner()
         try:
-            won = await shared.claim_job(key, name, self.claim_lease_s)
+            won = await shared.jobs.claim_job(key, name, self.claim_lease_s)
         except SharedStateUnavailable as error:
             logger.warning("memory job %s: claiming it when the shared state answers: %s", key, error)
             return JobOwner(name, claimed=False), 0
@@ -283,7 +286,7 @@ class MemoryRuns:
         deadline = time.monotonic() + self.lease_s
         while True:
             try:
-                won = await shared.claim_job(key, owner.name, self.claim_lease_s)
+                won = await shared.jobs.claim_job(key, owner.name, self.claim_lease_s)
             except SharedStateUnavailable:
                 if time.monotonic() >= deadline:
                     logger.warning(
@@ -331,7 +334,7 @@ class MemoryRuns:
             if shared is None:
                 return True
             try:
-                return await shared.renew_job(ticket.claim_key, name, self.claim_lease_s)
+                return await shared.jobs.renew_job(ticket.claim_key, name, self.claim_lease_s)
             except SharedStateUnavailable:
                 return True  # nobody else can claim it through an unreachable database either
 
@@ -351,7 +354,7 @@ class MemoryRuns:
                 return records
             if shared is not None:
                 with contextlib.suppress(SharedStateUnavailable):
-                    await shared.finish_job(ticket.claim_key, name)
+                    await shared.jobs.finish_job(ticket.claim_key, name)
             return records
         finally:
             if heartbeat is not None:

@@ -11,13 +11,13 @@
 """
 
 from fusion_graph.errors import InvalidInput
-from fusion_graph.nodes.dispatch import make_tool_node, sends
+from fusion_graph.nodes.dispatch import sends
 from fusion_graph.nodes.ends import give_up, step_limit, unavailable
 from fusion_graph.nodes.executors import InferenceNodes
 from fusion_graph.nodes.memory import MemoryNodes, memory_on
 from fusion_graph.nodes.route import AFTER_TOOLS, Destination, RouteNode
 from fusion_graph.nodes.synthesis import SynthesisNode, wants_synthesis
-from fusion_graph.nodes.tools import make_tools_node
+from fusion_graph.nodes.tools import tools_node
 
 __all__ = [
     "AFTER_TOOLS",
@@ -28,11 +28,10 @@ __all__ = [
     "RouteNode",
     "SynthesisNode",
     "give_up",
-    "make_tool_node",
-    "make_tools_node",
     "memory_on",
     "sends",
     "step_limit",
+    "tools_node",
     "unavailable",
     "wants_synthesis",
 ]

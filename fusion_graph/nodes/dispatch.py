@@ -19,8 +19,6 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.messages.tool import ToolCall
 from langchain_core.tools import BaseTool
-from langgraph.prebuilt import ToolNode
-from langgraph.prebuilt.tool_node import AsyncToolCallWrapper
 from langgraph.types import Send
 
 from fusion_graph.context import FusionContext
@@ -127,13 +125,3 @@ def next_wave(pending: Sequence[ToolCall]) -> list[ToolCall]:
 def sends(pending: Sequence[ToolCall], node: str = "tools") -> list[Send]:
     """One ``Send`` per call of the next wave; ``ToolNode`` reads the state itself."""
     return [Send(node, [call]) for call in next_wave(pending)]
-
-
-def make_tool_node(
-    tools: Sequence[BaseTool], *, awrap_tool_call: AsyncToolCallWrapper | None = None
-) -> ToolNode:
-    """LangGraph's ``ToolNode``: a tool's own failure becomes an error message for the model.
-
-    ``GraphBubbleUp`` (``interrupt()``, ``Command`` to a parent) is never caught.
-    """
-    return ToolNode(list(tools), name="tools", handle_tool_errors=True, awrap_tool_call=awrap_tool_call)

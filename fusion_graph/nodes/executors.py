@@ -252,15 +252,15 @@ class InferenceNodes:
         return update
 
     async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """Carry out the order that sent this step here: handed over in process, else the rule's again.
+        """Carry out the order that sent this step here: kept for it in process, else the rule's again.
 
-        A run resumed in another process finds no handoff; the rule is a function
+        A run resumed in another process finds no order kept for it; the rule is a function
         of the state, so applied again it decides the same.
         """
         if self.route is None:
             raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
         thread_id = thread_id_of(get_config())
-        routed = self.route.handoffs.take(step_key(state, thread_id))
+        routed = self.route.orders.take(step_key(state, thread_id))
         routed = routed or await self.route.decide(state, runtime, thread_id)
         order = routed.order
         if order is None:

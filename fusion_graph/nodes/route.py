@@ -11,7 +11,7 @@ A batch of one call (the usual step) is routed by the edge after ``tools``:
 no extra superstep, no checkpoint of its own. A batch of several calls runs as
 parallel tasks that each see only their own result, so they join at the
 ``route`` node, which writes nothing. Either way the decision is one value, a
-``StepOrder``, handed to the executor in process (``Handoffs``); an executor
+``StepOrder``, handed to the executor in process (``StepOrders``); an executor
 that finds none (a run resumed in another process) applies the rule to the
 same state again, which decides the same. ``order_step`` makes every step's
 order, the plan's and a repair's too: the one place a step is measured, priced
@@ -225,13 +225,13 @@ class Routed:
     update: dict[str, Any] = field(default_factory=dict)
 
 
-#: A handoff's key: thread, step, id of the batch's last tool result.
-HandoffKey = tuple[str, int, str]
+#: A kept order's key: thread, step, id of the batch's last tool result.
+OrderKey = tuple[str, int, str]
 #: Decisions kept for executors at most (a step takes its own at once; this only bounds a leak).
-HANDOFFS_KEPT = 4096
+ORDERS_KEPT = 4096
 
 
-class Handoffs:
+class StepOrders:
     """Decisions the edge made, kept in process for the executor that carries them out.
 
     Keyed by ``step_key``: the executor of that step takes it. One
@@ -241,21 +241,21 @@ class Handoffs:
 
     def __init__(self) -> None:
         """An empty table."""
-        self._kept: OrderedDict[HandoffKey, Routed] = OrderedDict()
+        self._kept: OrderedDict[OrderKey, Routed] = OrderedDict()
 
-    def give(self, key: HandoffKey, routed: Routed) -> None:
+    def give(self, key: OrderKey, routed: Routed) -> None:
         """Keep ``routed`` for the executor of ``key``."""
         self._kept[key] = routed
-        while len(self._kept) > HANDOFFS_KEPT:
+        while len(self._kept) > ORDERS_KEPT:
             self._kept.popitem(last=False)
 
-    def take(self, key: HandoffKey) -> Routed | None:
+    def take(self, key: OrderKey) -> Routed | None:
         """The decision kept for ``key`` (once), or ``None``."""
         return self._kept.pop(key, None)
 
 
-def step_key(state: State, thread_id: str) -> HandoffKey:
-    """The step ``state`` is about to run, as a handoff's key: its thread, its step, the batch's last result.
+def step_key(state: State, thread_id: str) -> OrderKey:
+    """The step ``state`` is about to run, as an order's key: its thread, its step, the batch's last result.
 
     The last message's id (set once, by ``add_messages``) tells two runs without
     a ``thread_id`` apart.
@@ -281,7 +281,7 @@ class RouteNode:
     ) -> None:
         """Keep what the decision needs."""
         self.count_tokens, self.tools, self.memory_on, self.sizer = count_tokens, tools, memory_on, sizer
-        self.handoffs = Handoffs()
+        self.orders = StepOrders()
 
     async def decide(self, state: State, runtime: Runtime[FusionContext], thread_id: str) -> Routed:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
@@ -316,7 +316,7 @@ class RouteNode:
         thread_id = thread_id_of(get_config())
         routed = await self.decide(state, runtime, thread_id)
         if routed.order is not None:
-            self.handoffs.give(step_key(state, thread_id), routed)
+            self.orders.give(step_key(state, thread_id), routed)
         return Command(goto=routed.goto)
 
     async def after_tools(self, state: State, runtime: Runtime[FusionContext], config: RunnableConfig) -> Any:
@@ -330,5 +330,5 @@ class RouteNode:
         thread_id = thread_id_of(config)  # an untraced edge: ``get_config`` has no run to read
         routed = await self.decide(state, runtime, thread_id)
         if routed.order is not None:
-            self.handoffs.give(step_key(state, thread_id), routed)
+            self.orders.give(step_key(state, thread_id), routed)
         return routed.goto

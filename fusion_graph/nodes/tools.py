@@ -28,7 +28,6 @@ from langgraph.types import Command
 from fusion_graph.context import ensure_context
 from fusion_graph.errors import UsageError
 from fusion_graph.inputs import thread_id_of
-from fusion_graph.nodes.dispatch import make_tool_node
 from fusion_graph.providers.ask import ROUTE_EVENT
 from fusion_graph.providers.sampling import sampling_scope
 from fusion_graph.redact import scrub_content
@@ -100,6 +99,10 @@ def _joined(update: Any, added: dict[str, Any]) -> Any:
     )
 
 
-def make_tools_node(tools: Sequence[BaseTool]) -> ToolNode:
-    """The graph's ``tools`` node: ``ToolNode`` over ``tools`` with ``wrap_tool_call`` as its hook."""
-    return make_tool_node(tools, awrap_tool_call=wrap_tool_call)
+def tools_node(tools: Sequence[BaseTool]) -> ToolNode:
+    """The graph's ``tools`` node: LangGraph's ``ToolNode`` over ``tools``, ``wrap_tool_call`` its hook.
+
+    A tool's own failure becomes an error message for the model; ``GraphBubbleUp``
+    (``interrupt()``, ``Command`` to a parent) is never caught.
+    """
+    return ToolNode(list(tools), name="tools", handle_tool_errors=True, awrap_tool_call=wrap_tool_call)

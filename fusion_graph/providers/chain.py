@@ -107,7 +107,7 @@ def scrub_answer(answer: T) -> T:
 
 
 class HealthBoard(Protocol):
-    """Where the circuits of a deployment's worker processes meet (``shared_state.SharedState``)."""
+    """Where the circuits of a deployment's worker processes meet (``SharedState.health``)."""
 
     def cooldown(self, provider: str) -> tuple[float, str | None] | None:
         """A cooldown some worker announced for ``provider``: wall-clock end and last error."""

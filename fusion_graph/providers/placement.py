@@ -42,7 +42,9 @@ from typing import Any, Protocol
 import httpx
 from langchain_core.language_models import BaseChatModel
 
-from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.coordination.shared_base import SharedStateUnavailable
+from fusion_graph.coordination.shared_locks import AdvisoryLocks
+from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph.coordination.slot_leases import LeaseAsk, SlotClaim
 from fusion_graph.coordination.slot_turns import TURNS, SlotTurns
 from fusion_graph.providers.health import causes
@@ -263,7 +265,7 @@ class LeasedPlacement:
 
     def __init__(
         self,
-        table: LeaseTable,
+        table: LeaseTable | SharedState,
         slots: ServerSlots,
         *,
         boxes: tuple[str, ...],
@@ -272,11 +274,14 @@ class LeasedPlacement:
     ) -> None:
         """Lease slots in ``table`` over ``boxes`` (base URLs); ``box_model`` reaches one directly.
 
-        ``slots`` says how many slots a local server has (``local_slots`` or its
-        ``/props``) and which headers a request carries; ``turns``: the process's own.
+        ``table``: ``LocalLeases``, or the deployment's ``SharedState``, whose
+        leases and slot turns (``locks``) then both span the processes. ``slots``
+        says how many slots a local server has (``local_slots`` or its ``/props``)
+        and which headers a request carries; ``turns``: the process's own.
         """
-        self.table, self.slots = table, slots
-        self.shared = table if isinstance(table, SharedState) else None
+        self.slots = slots
+        self.table: LeaseTable = table.leases if isinstance(table, SharedState) else table
+        self.shared_locks: AdvisoryLocks | None = table.locks if isinstance(table, SharedState) else None
         self.boxes = tuple(box_name(box) for box in boxes)
         self.box_model = box_model
         self.turns = turns
@@ -358,8 +363,8 @@ class LeasedPlacement:
             box = before[0].box if before is not None and before[0].box in boxes else spread(holder, boxes)
             return await self._placement(link, thread_id, box, None, {"placement": f"unplaced: {error}"})
         await self._warm(link, pool, claim.box, slots)
-        notes: dict[str, Any] = {"placement": "shared"} if self.shared is not None else {}
-        if len(self.boxes) > 1 or self.shared is not None:
+        notes: dict[str, Any] = {"placement": "shared"} if self.shared_locks is not None else {}
+        if len(self.boxes) > 1 or self.shared_locks is not None:
             notes["box"] = claim.box
         if home is not None and home != claim.box and home not in boxes:
             notes["box_moved_from"] = home  # its box stopped answering: one cold prefill here
@@ -411,10 +416,10 @@ class LeasedPlacement:
             SlotBusy: The slot stayed busy with another request for ``wait_s``.
             SharedStateUnavailable: The deployment's database cannot give the turn.
         """
-        shared = self.shared
-        if shared is not None:
-            held = await shared.take_slot_turn(box, slot, wait_s=wait_s)
-            return functools.partial(shared.give_back_slot_turn, held)
+        locks = self.shared_locks
+        if locks is not None:
+            held = await locks.take_slot_turn(box, slot, wait_s=wait_s)
+            return functools.partial(locks.give_back_slot_turn, held)
         key = (box, slot)
         await self.turns.take(key, wait_s=wait_s)
 

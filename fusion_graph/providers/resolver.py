@@ -151,7 +151,7 @@ class ProviderResolver:
             telemetry.watch_shared(self.shared)
             self.placement = LeasedPlacement(self.shared, self.local_slots, boxes=boxes, box_model=box_model)
             if chain is not None:
-                chain.share_health(self.shared)
+                chain.share_health(self.shared.health)
 
     def check_bounds(self, context: FusionContext) -> None:
         """Refuse a run context past the operator's size bounds (``ContextError``): the system prompt."""
@@ -250,7 +250,8 @@ class ProviderResolver:
             key = (tuple(id(link) for link in links), policy, settings.override_provider)
             chain = self._chains.get(key)
             if chain is None:
-                chain = ProviderChain(links, policy=policy, board=self.shared)
+                board = self.shared.health if self.shared is not None else None
+                chain = ProviderChain(links, policy=policy, board=board)
                 if settings.override_provider is not None:
                     try:
                         chain.set_override(settings.override_provider)

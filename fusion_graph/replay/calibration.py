@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import CalibrationError
 from fusion_graph.replay.shares import TARGET_KINDS, Shares, TargetOf, Trace, share_of, shares_of, sweep
-from fusion_graph.routing.rule import QUANTILE_TABLE_LENGTH, Latch, hysteresis_band, latch_rule
+from fusion_graph.routing.rule import QUANTILE_TABLE_LENGTH, Latch, band_leg, for_trouble_only, latch_rule
 from fusion_graph.routing.score import Leg
 
 #: Bars are searched on a grid of hundredths of a point (the precision of ``StepScore.points``).
@@ -103,12 +103,11 @@ def fraction_at(
     """Continuation cloud fraction with base threshold ``base`` (points) and the graph's band.
 
     The same rule as ``decide_leg`` with a calibrated table for ``0 < share < 100``
-    (the plan on cloud; escalate at, or stay on cloud down to, ``hysteresis_band``'s bars),
+    (the plan on cloud; the band's leg from ``routing.rule.band_leg``, as the graph decides it),
     on ``(step, points)`` pairs; ``tests/unit/replay/test_calibration.py`` checks they agree.
     With ``troubles`` (``trouble_signals``: each step's trouble points, points without them and
     progress event) the escalation latch applies as well (``routing.latch_rule``).
     """
-    escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
     steps = cloud = 0
     for index, trace in enumerate(traces):
         leg: Leg | None = None
@@ -118,11 +117,12 @@ def fraction_at(
                 leg, latch = "cloud", None
                 continue
             escalating = leg != "cloud"
-            bar = escalate_at if escalating else stay_down_to
-            leg = "cloud" if points >= bar else "local"
+            leg, bar = band_leg(points, base, hysteresis, on_cloud=not escalating)
             if troubles is not None:
                 trouble, without, progress = troubles[index][position]
-                for_trouble = escalating and leg == "cloud" and trouble > 0 and without < bar
+                for_trouble = for_trouble_only(
+                    leg, escalating=escalating, trouble=trouble, base_value=without, bar=bar
+                )
                 leg, latch = latch_rule(leg, Latch(latch, progress), step=step, for_trouble=for_trouble)
             steps += 1
             cloud += leg == "cloud"

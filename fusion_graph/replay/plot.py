@@ -25,7 +25,7 @@ from fusion_graph.replay.calibration import Calibration
 from fusion_graph.replay.replayed import ReplayedTrajectory
 from fusion_graph.replay.shares import Shares, TargetOf, scored_steps, sweep
 from fusion_graph.replay.summary import is_latched, is_paced
-from fusion_graph.routing.rule import cloud_threshold, hysteresis_band
+from fusion_graph.routing.rule import dial_base, hysteresis_band
 from fusion_graph.routing.score import StepScore, TroubleSignals
 
 if TYPE_CHECKING:
@@ -64,9 +64,16 @@ def base_threshold(context: FusionContext) -> float | None:
     """The dial's base threshold ``T`` (calibrated entry, or ``100 - cloud_share``); ``None`` at the ends."""
     if context.mode != "fusion" or context.cloud_share in (0, 100):
         return None
-    if context.score_quantiles is not None:
-        return context.score_quantiles[100 - context.cloud_share]
-    return cloud_threshold(context.cloud_share)
+    return dial_base(context.cloud_share, context.score_quantiles)
+
+
+def band_of(context: FusionContext) -> tuple[float, float, float] | None:
+    """``(T, stay-on-cloud bar, escalation bar)`` the graph decides by (``None`` at the dial's ends)."""
+    base = base_threshold(context)
+    if base is None:
+        return None
+    escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
+    return base, stay_down_to, escalate_at
 
 
 def dial_label(context: FusionContext) -> str:
@@ -242,13 +249,13 @@ def timelines(
     figure = _figure(rows, columns, (width * columns + 0.4, height * rows + 1.5))
     from matplotlib.ticker import MaxNLocator  # importable once _figure found matplotlib
 
-    base = base_threshold(context)
+    band = band_of(context)
     calibrated = context.score_quantiles is not None
     used: set[str] = set()
     turns = trouble = progress = False
     for axes, replay in zip(figure.axes, shown, strict=False):
-        if base is not None:
-            escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
+        if band is not None:
+            base, stay_down_to, escalate_at = band
             axes.axhspan(stay_down_to, escalate_at, color="0.88")
             axes.axhline(base, color="0.5", linestyle="--", linewidth=0.8)
         for index, item in enumerate(replay.steps):
@@ -295,8 +302,8 @@ def timelines(
     for axes in figure.axes[len(shown) :]:
         axes.set_axis_off()
     extras: list[tuple[str, str]] = []
-    if base is not None:
-        escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
+    if band is not None:
+        base, stay_down_to, escalate_at = band
         extras.append(("band", f"hysteresis band {stay_down_to:g}-{escalate_at:g} (T ± h)"))
         extras.append(("threshold", f"T = {base:g}"))
     if turns:
@@ -348,9 +355,10 @@ def summary(
             groups.setdefault(key, []).append(score.points if calibrated else score.score)
     keys = [key for key in ALL_MARKS if key in groups]
     values = [v for key in keys for v in groups[key]]
-    base = base_threshold(context)
-    if base is not None:
-        escalate_at, stay_down_to = hysteresis_band(base, context.hysteresis)
+    band = band_of(context)
+    base = band[0] if band is not None else None
+    if band is not None:
+        base, stay_down_to, escalate_at = band
         scores_axes.axvspan(
             stay_down_to, escalate_at, color="0.88", label=f"hysteresis band {stay_down_to:g}-{escalate_at:g}"
         )

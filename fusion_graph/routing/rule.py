@@ -49,6 +49,28 @@ def hysteresis_band(base: float, hysteresis: int) -> tuple[float, float]:
     return round(base + half, 2), round(base - half, 2)
 
 
+def dial_base(cloud_share: int, score_quantiles: Sequence[float] | None = None) -> float:
+    """The dial's base threshold ``T``: the calibrated table's entry ``100 - cloud_share``, else that number.
+
+    With a table ``T`` is compared with a step's exact points, without one with its integer score.
+    """
+    if score_quantiles is not None:
+        return check_score_quantiles(score_quantiles)[100 - cloud_share]
+    return cloud_threshold(cloud_share)
+
+
+def band_leg(value: float, base: float, hysteresis: int, *, on_cloud: bool) -> tuple[Leg, float]:
+    """The band's leg for a continuation step, and the bar it was held to.
+
+    From local a step escalates when ``value`` reaches ``T + h'``; on cloud it stays
+    while ``value`` holds ``T - h'`` (``hysteresis_band``). ``decide_leg`` and the
+    calibration fit (``replay.calibration.fraction_at``) both decide by it.
+    """
+    escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
+    bar = stay_down_to if on_cloud else escalate_at
+    return ("cloud" if value >= bar else "local"), bar
+
+
 def check_score_quantiles(table: Sequence[float]) -> tuple[float, ...]:
     """``table`` as a tuple if it is a valid calibrated dial, else a ``ValueError`` saying why.
 
@@ -152,6 +174,14 @@ def latch_rule(band: Leg, latch: Latch, *, step: int, for_trouble: bool) -> tupl
     return band, None
 
 
+def for_trouble_only(band: Leg, *, escalating: bool, trouble: float, base_value: float, bar: float) -> bool:
+    """Whether the band escalated this step for its trouble terms alone: it latches the turn on cloud.
+
+    From local to cloud, with trouble points, and below the escalation bar without them.
+    """
+    return escalating and band == "cloud" and trouble > 0 and base_value < bar
+
+
 def _trouble_words(score: StepScore, weights: Mapping[str, int] | None = None) -> str:
     """The trouble terms in words: ``trouble 40 (error severity 0.5 × 50 = 25, no progress ...)``."""
     if not isinstance(score, TroubleScore):
@@ -179,11 +209,12 @@ def _latched(
     words = [decision.reason, _trouble_words(decision.score, weights)]
     if latch.since is not None and latch.progress:
         words.append(f"progress event: latch from step {latch.since} released")
-    for_trouble = (
-        escalated
-        and decision.leg == "cloud"
-        and decision.score.trouble > 0
-        and base_value < decision.threshold
+    for_trouble = for_trouble_only(
+        decision.leg,
+        escalating=escalated,
+        trouble=decision.score.trouble,
+        base_value=base_value,
+        bar=decision.threshold,
     )
     leg, since = latch_rule(decision.leg, latch, step=step, for_trouble=for_trouble)
     if latch.held:
@@ -284,19 +315,16 @@ def decide_leg(
         )
     if score is None:
         raise ValueError("fusion continuation steps need a score")
-    base: float = cloud_threshold(cloud_share)
+    base = dial_base(cloud_share, score_quantiles)
     value: float = score.score
     base_value: float = int(score.base_points + 0.5)
     shown, label = str(score.score), f"T={base}"
     if score_quantiles is not None:
-        base = check_score_quantiles(score_quantiles)[100 - cloud_share]
         value, base_value = score.points, score.base_points
         shown, label = f"{score.score} ({value:g} points)", f"calibrated T={base:g}"
-    escalate_at, stay_down_to = hysteresis_band(base, hysteresis)
-    half = round(escalate_at - base, 2)
     on_cloud = current_leg == "cloud"
-    threshold, sign = (stay_down_to, "-") if on_cloud else (escalate_at, "+")
-    leg: Leg = "cloud" if value >= threshold else "local"
+    leg, threshold = band_leg(value, base, hysteresis, on_cloud=on_cloud)
+    half, sign = round(abs(threshold - base), 2), "-" if on_cloud else "+"
     compared = ">=" if leg == "cloud" else "<"
     reason = (
         f"score {shown} {compared} {threshold:g} ({label} {sign} h={half:g}): {_BAND_MOVES[on_cloud, leg]}"

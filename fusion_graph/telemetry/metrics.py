@@ -236,6 +236,10 @@ class Metrics:
         """Report ``shared``'s failed operations (held weakly)."""
         self.shared_states.states.add(shared)
 
+    def watch_pending_memory(self, count: Callable[[], int]) -> None:
+        """Report the memory runs in flight in this process (``count`` is read at each scrape)."""
+        self.pending_memory.count = count
+
     def know_boxes(self, urls: Iterable[str]) -> None:
         """Add configured boxes (``local_workers``) to the ``box`` label's values (every graph's add up)."""
         self.boxes |= {box_label(url) for url in urls if url.strip()}

@@ -36,12 +36,60 @@ T = TypeVar("T")
 INSTALL_HINT = "pip install 'fusion-graph[telemetry]'"
 
 
+class MetricsOff:
+    """Metrics while off: each report does nothing (the null object the switch starts with)."""
+
+    def observe(self, record: RouteRecord, all_cloud_usd: float | None) -> None:
+        """Nothing: no inference is counted."""
+
+    def watch(self, chain: Watched) -> None:
+        """Nothing: no cooldown gauge."""
+
+    def watch_shared(self, shared: Failing) -> None:
+        """Nothing: no shared-state gauge."""
+
+    def watch_pending_memory(self, count: Callable[[], int]) -> None:
+        """Nothing: no memory-run gauge."""
+
+    def job(self, record: RouteRecord) -> None:
+        """Nothing: no memory job is counted."""
+
+    def job_pending(self) -> None:
+        """Nothing."""
+
+    def shadow(self, record: RouteRecord) -> None:
+        """Nothing: no shadow check is counted."""
+
+
+class TracesOff:
+    """Traces while off: no span, and a run's stream passes through untouched."""
+
+    def inference(self, record: RouteRecord, **span: Any) -> None:
+        """Nothing: no ``chat`` span."""
+
+    def tool(self, name: str, call_id: str | None, thread_id: str) -> AbstractContextManager[None]:
+        """A context that does nothing (reused, it holds no state)."""
+        return _NO_SPAN
+
+    def run(
+        self, stream: AsyncIterator[T], graph: str, thread_id: str | None, metadata: Mapping[str, Any]
+    ) -> AsyncIterator[T]:
+        """``stream`` itself."""
+        return stream
+
+
+#: What a span hook returns while traces are off: a context that does nothing (reused, it holds no state).
+_NO_SPAN: AbstractContextManager[None] = nullcontext()
+METRICS_OFF = MetricsOff()
+TRACES_OFF = TracesOff()
+
+
 @dataclass
 class Telemetry:
-    """What is on in this process: the metrics, the traces, the ``/metrics`` endpoint (``None``: off)."""
+    """What is on in this process: metrics, traces (``METRICS_OFF``, ``TRACES_OFF``: off), ``/metrics``."""
 
-    metrics: Metrics | None = None
-    traces: Traces | None = None
+    metrics: Metrics | MetricsOff = METRICS_OFF
+    traces: Traces | TracesOff = TRACES_OFF
     endpoint: MetricsEndpoint | None = None
 
     @property
@@ -52,7 +100,7 @@ class Telemetry:
     @property
     def on(self) -> bool:
         """Whether any hook has work to do."""
-        return self.metrics is not None or self.traces is not None
+        return self.metrics is not METRICS_OFF or self.traces is not TRACES_OFF
 
 
 #: The process's telemetry.
@@ -67,17 +115,17 @@ def configure(settings: FusionSettings) -> None:
             or ``metrics_host:metrics_port`` cannot be served, or differs from the address this
             process already serves.
     """
-    if settings.metrics and ACTIVE.metrics is None:
+    if settings.metrics and ACTIVE.metrics is METRICS_OFF:
         try:
             from fusion_graph.telemetry.metrics import Metrics
         except ImportError as error:
             raise ProviderConfigError(f"FUSION_METRICS needs prometheus-client: {INSTALL_HINT}") from error
         ACTIVE.metrics = Metrics.process()
-    if settings.metrics and ACTIVE.metrics is not None:
+    if settings.metrics and not isinstance(ACTIVE.metrics, MetricsOff):
         ACTIVE.metrics.know_boxes(settings.local_workers)  # the box label's only values
         if settings.metrics_port is not None:
             _serve(ACTIVE.metrics, settings.metrics_host, settings.metrics_port)
-    if settings.traces and ACTIVE.traces is None:
+    if settings.traces and ACTIVE.traces is TRACES_OFF:
         try:
             from fusion_graph.telemetry.traces import Traces
         except ImportError as error:
@@ -122,7 +170,7 @@ def reset() -> None:
     """Everything off, the ``/metrics`` endpoint closed (tests; an app that shuts its graphs down)."""
     if ACTIVE.endpoint is not None:
         ACTIVE.endpoint.close()
-    ACTIVE.metrics, ACTIVE.traces, ACTIVE.endpoint = None, None, None
+    ACTIVE.metrics, ACTIVE.traces, ACTIVE.endpoint = METRICS_OFF, TRACES_OFF, None
 
 
 def inference(
@@ -135,62 +183,50 @@ def inference(
     thread_id: str | None,
 ) -> None:
     """Report one inference from its record: counted, and a ``chat`` span from ``started_ns`` to now."""
-    if ACTIVE.metrics is not None:
-        ACTIVE.metrics.observe(record, all_cloud_usd)
-    if ACTIVE.traces is not None:
-        ACTIVE.traces.inference(
-            record,
-            started_ns=started_ns,
-            ended_ns=time.time_ns(),
-            model=model,
-            response_model=response_model,
-            thread_id=thread_id,
-        )
+    ACTIVE.metrics.observe(record, all_cloud_usd)
+    ACTIVE.traces.inference(
+        record,
+        started_ns=started_ns,
+        ended_ns=time.time_ns(),
+        model=model,
+        response_model=response_model,
+        thread_id=thread_id,
+    )
 
 
 def watch_chain(chain: Watched) -> None:
     """Report ``chain``'s providers in the cooldown gauge (once per chain a resolver makes)."""
-    if ACTIVE.metrics is not None:
-        ACTIVE.metrics.watch(chain)
+    ACTIVE.metrics.watch(chain)
 
 
 def watch_shared(shared: Failing) -> None:
     """Report the failed operations of the deployment's shared state (read at each scrape)."""
-    if ACTIVE.metrics is not None:
-        ACTIVE.metrics.watch_shared(shared)
+    ACTIVE.metrics.watch_shared(shared)
 
 
 def watch_pending_memory(count: Callable[[], int]) -> None:
     """Report the memory runs in flight in this process (``count`` is read at each scrape)."""
-    if ACTIVE.metrics is not None:
-        ACTIVE.metrics.pending_memory.count = count
+    ACTIVE.metrics.watch_pending_memory(count)
 
 
 def job_finished(record: RouteRecord) -> None:
     """Count a memory job from its last record (its outcome is known only once it is stored)."""
-    if ACTIVE.metrics is not None:
-        ACTIVE.metrics.job(record)
+    ACTIVE.metrics.job(record)
 
 
 def job_left_pending() -> None:
     """Count a memory job stopped before it finished (its log entry stays pending; never ``dropped``)."""
-    if ACTIVE.metrics is not None:
-        ACTIVE.metrics.job_pending()
+    ACTIVE.metrics.job_pending()
 
 
 def shadow_checked(record: RouteRecord) -> None:
     """Count a shadow check once whether cloud agreed is known (after its inference was counted)."""
-    if ACTIVE.metrics is not None:
-        ACTIVE.metrics.shadow(record)
-
-
-#: What a span hook returns while traces are off: a context that does nothing (reused, it holds no state).
-_NO_SPAN: AbstractContextManager[None] = nullcontext()
+    ACTIVE.metrics.shadow(record)
 
 
 def tool_call(name: str, call_id: str | None, thread_id: str) -> AbstractContextManager[None]:
     """An ``execute_tool`` span around one tool call (the inferences it makes, MCP samples, nest in it)."""
-    return _NO_SPAN if ACTIVE.traces is None else ACTIVE.traces.tool(name, call_id, thread_id)
+    return ACTIVE.traces.tool(name, call_id, thread_id)
 
 
 def turn(
@@ -201,4 +237,4 @@ def turn(
     A wrapper of the stream, not a context around it: the span is made current in each task
     that pulls a chunk (``Traces.run``). Traces off: ``stream`` itself.
     """
-    return stream if ACTIVE.traces is None else ACTIVE.traces.run(stream, graph, thread_id, metadata or {})
+    return ACTIVE.traces.run(stream, graph, thread_id, metadata or {})

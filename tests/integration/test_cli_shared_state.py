@@ -12,7 +12,8 @@ from fusion_graph.agent import GRAPH_NAME
 from fusion_graph.cli import run as cli_run
 from fusion_graph.cli.app import app
 from fusion_graph.context import FusionContext
-from fusion_graph.coordination.shared_state import default_namespace, lock_key
+from fusion_graph.coordination.shared_base import lock_key
+from fusion_graph.coordination.shared_state import default_namespace
 from fusion_graph.settings import FusionSettings
 from tests.plugins.fakes import scripted
 from tests.unit.cli.test_traces import runner

@@ -32,7 +32,8 @@ from langgraph.store.memory import InMemoryStore
 
 from fusion_graph import build_graph, memory
 from fusion_graph.context import FusionContext
-from fusion_graph.coordination.shared_state import RECONNECT_MAX_S, SharedState, SharedStateUnavailable
+from fusion_graph.coordination.shared_base import SharedStateUnavailable
+from fusion_graph.coordination.shared_state import RECONNECT_MAX_S, SharedState
 from fusion_graph.coordination.slot_leases import LeaseAsk
 from fusion_graph.memory.job_log import thread_entries
 from fusion_graph.settings import FusionSettings
@@ -126,30 +127,30 @@ async def back_in(attempt: Callable[[], Awaitable[Any]]) -> float:
 async def every_operation_fails_cleanly(state: SharedState) -> list[float]:
     """Each operation of the shared state, each raising only ``SharedStateUnavailable`` in bounded time."""
     took = [
-        await bounded_failure(state.claim_slot(LeaseAsk("p", BOX, 4, "t-new", 60.0, preferred=0))),
-        await bounded_failure(state.box_of("p", "t-1")),
-        await bounded_failure(state.claim_job("job-1", "w", 15.0)),
-        await bounded_failure(state.renew_job("job-0", "w", 15.0)),
-        await bounded_failure(state.finish_job("job-0", "w")),
-        await bounded_failure(state.job_claims(["job-0"])),
-        await bounded_failure(state.release_slot("p", "t-1")),
+        await bounded_failure(state.leases.claim_slot(LeaseAsk("p", BOX, 4, "t-new", 60.0, preferred=0))),
+        await bounded_failure(state.leases.box_of("p", "t-1")),
+        await bounded_failure(state.jobs.claim_job("job-1", "w", 15.0)),
+        await bounded_failure(state.jobs.renew_job("job-0", "w", 15.0)),
+        await bounded_failure(state.jobs.finish_job("job-0", "w")),
+        await bounded_failure(state.jobs.job_claims(["job-0"])),
+        await bounded_failure(state.leases.release_slot("p", "t-1")),
     ]
     began = time.monotonic()
     with pytest.raises(SharedStateUnavailable):
-        async with state.thread_run("thread-1"):
+        async with state.locks.thread_run("thread-1"):
             pass
     took.append(time.monotonic() - began)
     began = time.monotonic()
     with pytest.raises(SharedStateUnavailable):  # no turn: the placement then names no slot
-        async with state.slot_turn(BOX[0], 3, wait_s=TIMEOUT_S):
+        async with state.locks.slot_turn(BOX[0], 3, wait_s=TIMEOUT_S):
             pass
     took.append(time.monotonic() - began)
     began = time.monotonic()
-    await state.publish_cooldown(
+    await state.health.publish_cooldown(
         "cloud:m", time.time() + 30, "503"
     )  # never raises: the board is this process's
     took.append(time.monotonic() - began)
-    assert state.cooldown("cloud:m") is not None
+    assert state.health.cooldown("cloud:m") is not None
     return took
 
 
@@ -157,17 +158,17 @@ async def test_a_stopped_database_fails_each_operation_cleanly_and_is_used_again
     database: str, cluster: PostgresCluster, state_of: Callable[[str], SharedState]
 ) -> None:
     state = state_of(database)
-    first = await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
-    assert await state.claim_job("job-0", "w", 15.0) == 1
+    first = await state.leases.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
+    assert await state.jobs.claim_job("job-0", "w", 15.0) == 1
     cluster.halt()
     took = await every_operation_fails_cleanly(state)
     print(f"\noperations with the database stopped: {', '.join(f'{t:.2f}' for t in took)} s")
     assert max(took) < OP_BOUND_S
     cluster.resume()
-    back = await back_in(lambda: state.box_of("p", "t-1"))
+    back = await back_in(lambda: state.leases.box_of("p", "t-1"))
     print(f"shared state used again {back:.2f} s after the database answered")
     assert back < BACK_WITHIN_S
-    again = await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=2))
+    again = await state.leases.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=2))
     assert (again.box, again.slot) == (first.box, first.slot)  # the lease outlived the restart
 
 
@@ -176,14 +177,14 @@ async def test_the_first_operation_after_a_quick_restart_finds_no_stale_connecti
 ) -> None:
     state = state_of(database)
     await asyncio.gather(
-        *(state.claim_slot(LeaseAsk("p", BOX, 8, f"t-{i}", 60.0, preferred=i)) for i in range(4))
+        *(state.leases.claim_slot(LeaseAsk("p", BOX, 8, f"t-{i}", 60.0, preferred=i)) for i in range(4))
     )
     cluster.halt()
     cluster.resume()
     # The pool's connections all died with the old server: each is checked before use and replaced.
-    claim = await state.claim_slot(LeaseAsk("p", BOX, 8, "t-after", 60.0, preferred=5))
+    claim = await state.leases.claim_slot(LeaseAsk("p", BOX, 8, "t-after", 60.0, preferred=5))
     assert not claim.guest
-    assert await state.claim_job("after-restart", "w", 15.0) == 1
+    assert await state.jobs.claim_job("after-restart", "w", 15.0) == 1
 
 
 async def test_a_stalled_database_never_holds_an_operation_past_its_bound(
@@ -191,31 +192,33 @@ async def test_a_stalled_database_never_holds_an_operation_past_its_bound(
 ) -> None:
     url = through(proxy, database, cluster)
     state = state_of(url)
-    await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
-    assert await state.claim_job("job-0", "w", 15.0) == 1
+    await state.leases.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
+    assert await state.jobs.claim_job("job-0", "w", 15.0) == 1
     proxy.freeze()  # open connections go silent, new ones are accepted and never answered
     took = await every_operation_fails_cleanly(state)
     fresh = state_of(url)  # a process that first meets the database while it stalls
-    took.append(await bounded_failure(fresh.claim_slot(LeaseAsk("p", BOX, 4, "t-2", 60.0, preferred=1))))
+    took.append(
+        await bounded_failure(fresh.leases.claim_slot(LeaseAsk("p", BOX, 4, "t-2", 60.0, preferred=1)))
+    )
     print(f"\noperations with the database stalled: {', '.join(f'{t:.2f}' for t in took)} s")
     assert max(took) < OP_BOUND_S
     proxy.thaw()
-    assert await back_in(lambda: state.box_of("p", "t-1")) < BACK_WITHIN_S
-    assert await back_in(lambda: fresh.box_of("p", "t-1")) < BACK_WITHIN_S
+    assert await back_in(lambda: state.leases.box_of("p", "t-1")) < BACK_WITHIN_S
+    assert await back_in(lambda: fresh.leases.box_of("p", "t-1")) < BACK_WITHIN_S
 
 
 async def test_pooled_connections_dropped_without_a_word_are_replaced_by_new_ones(
     database: str, cluster: PostgresCluster, proxy: FaultProxy, state_of: Callable[[str], SharedState]
 ) -> None:
     state = state_of(through(proxy, database, cluster))
-    await state.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
+    await state.leases.claim_slot(LeaseAsk("p", BOX, 4, "t-1", 60.0, preferred=0))
     accepted = proxy.accepted
     proxy.freeze(new=False)  # as after a NAT or a failover: the pool's connections are dead, new ones work
     began = time.monotonic()
     claim = None
     while claim is None:
         try:
-            claim = await state.claim_slot(LeaseAsk("p", BOX, 4, "t-2", 60.0, preferred=1))
+            claim = await state.leases.claim_slot(LeaseAsk("p", BOX, 4, "t-2", 60.0, preferred=1))
         except SharedStateUnavailable:
             await asyncio.sleep(0.2)
     took = time.monotonic() - began
@@ -231,17 +234,17 @@ async def test_any_thread_id_langgraph_accepts_works_and_apps_on_one_database_ne
     one, two = SharedState(database, namespace="app-one"), SharedState(database, namespace="app-two")
     try:
         for thread in odd:
-            assert await one.claim_job(f"{thread}:0:1", "w1", 15.0) == 1
-            async with one.thread_run(thread) as held:
+            assert await one.jobs.claim_job(f"{thread}:0:1", "w1", 15.0) == 1
+            async with one.locks.thread_run(thread) as held:
                 assert held
-                async with two.thread_run(thread) as other:  # another app's thread of the same id
+                async with two.locks.thread_run(thread) as other:  # another app's thread of the same id
                     assert other
             # The other app's job of the same key is its own: claimed, not "taken over".
-            assert await two.claim_job(f"{thread}:0:1", "w2", 15.0) == 1
-            assert await one.finish_job(f"{thread}:0:1", "w1")
-            assert (await two.job_claims([f"{thread}:0:1"]))[f"{thread}:0:1"].done is False
-        a = await one.claim_slot(LeaseAsk("p", BOX, 1, "holder", 60.0, preferred=0))
-        b = await two.claim_slot(LeaseAsk("p", BOX, 1, "holder-2", 60.0, preferred=0))
+            assert await two.jobs.claim_job(f"{thread}:0:1", "w2", 15.0) == 1
+            assert await one.jobs.finish_job(f"{thread}:0:1", "w1")
+            assert (await two.jobs.job_claims([f"{thread}:0:1"]))[f"{thread}:0:1"].done is False
+        a = await one.leases.claim_slot(LeaseAsk("p", BOX, 1, "holder", 60.0, preferred=0))
+        b = await two.leases.claim_slot(LeaseAsk("p", BOX, 1, "holder-2", 60.0, preferred=0))
         assert not a.guest and not b.guest  # each app has its own table of the pool's one slot
     finally:
         await one.aclose()
@@ -249,27 +252,27 @@ async def test_any_thread_id_langgraph_accepts_works_and_apps_on_one_database_ne
 
 
 async def test_the_tables_stay_bounded_by_live_work_after_500_threads(database: str) -> None:
-    import fusion_graph.coordination.shared_state as shared_state
+    import fusion_graph.coordination.shared_jobs as shared_jobs
 
     state = SharedState(database)
     try:
         for start in range(0, 500, 50):
             threads = [f"short-{i}" for i in range(start, start + 50)]
             await asyncio.gather(
-                *(state.claim_slot(LeaseAsk("p", BOX, 4, t, 60.0, preferred=0)) for t in threads)
+                *(state.leases.claim_slot(LeaseAsk("p", BOX, 4, t, 60.0, preferred=0)) for t in threads)
             )
-            assert all(await asyncio.gather(*(state.claim_job(f"{t}:0:1", "w", 15.0) for t in threads)))
-            assert all(await asyncio.gather(*(state.finish_job(f"{t}:0:1", "w") for t in threads)))
+            assert all(await asyncio.gather(*(state.jobs.claim_job(f"{t}:0:1", "w", 15.0) for t in threads)))
+            assert all(await asyncio.gather(*(state.jobs.finish_job(f"{t}:0:1", "w") for t in threads)))
         sizes = await state.table_sizes()
         assert sizes["fusion_slot_leases"] <= 4  # one row per slot, whatever the number of threads
         assert sizes["fusion_job_claims"] == 500  # finished, kept for CLAIM_RETENTION_S
-        retention = shared_state.CLAIM_RETENTION_S
-        shared_state.CLAIM_RETENTION_S = 0.0
+        retention = shared_jobs.CLAIM_RETENTION_S
+        shared_jobs.CLAIM_RETENTION_S = 0.0
         try:
             await asyncio.sleep(0.1)
             deleted_claims, _ = await state.cleanup()
         finally:
-            shared_state.CLAIM_RETENTION_S = retention
+            shared_jobs.CLAIM_RETENTION_S = retention
         assert deleted_claims == 500
         assert (await state.table_sizes())["fusion_job_claims"] == 0
     finally:

@@ -134,7 +134,7 @@ async def test_two_boxes_with_as_many_slots_as_threads_fill_evenly_and_every_thr
     # Every request went straight to its box: the gateway served none of them.
     state = SharedState(postgres_db, namespace=NAMESPACE)
     try:
-        table = await state.slot_table(tight_pool.gateway.openai_base_url)
+        table = await state.leases.slot_table(tight_pool.gateway.openai_base_url)
     finally:
         await state.aclose()
     assert len({(box, slot) for box, slot, _, live in table if live}) == THREADS

@@ -9,7 +9,7 @@ import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 
 from fusion_graph import build_graph
-from fusion_graph.coordination.shared_state import SharedStateUnavailable
+from fusion_graph.coordination.shared_base import SharedStateUnavailable
 from fusion_graph.errors import (
     Closed,
     FusionError,

@@ -2,7 +2,7 @@
 
 A one-call batch must not pay a superstep (and a checkpoint) of its own, a
 batch of parallel calls must still join before anything decides, and an
-executor that finds no handoff (a run resumed in another process) must decide
+executor that finds no order kept for it (a run resumed in another process) must decide
 exactly what the edge would have.
 """
 
@@ -15,7 +15,7 @@ from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, build_graph
-from fusion_graph.nodes.route import Handoffs
+from fusion_graph.nodes.route import StepOrders
 from tests.plugins.fakes import ai_calls, call, scripted, user_input
 
 
@@ -76,11 +76,11 @@ async def test_the_tasks_of_a_larger_batch_join_at_route_before_anything_decides
 
 
 @pytest.mark.parametrize("calls_per_step", [1, 3])
-async def test_an_executor_without_a_handoff_decides_what_the_edge_decided(
+async def test_an_executor_without_a_kept_order_decides_what_the_edge_decided(
     calls_per_step: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     handed = (await nodes_run(steps=5, calls_per_step=calls_per_step))[1]["route_log"]
-    monkeypatch.setattr(Handoffs, "take", lambda self, key: None)  # a resume in another process
+    monkeypatch.setattr(StepOrders, "take", lambda self, key: None)  # a resume in another process
     again = (await nodes_run(steps=5, calls_per_step=calls_per_step))[1]["route_log"]
     fields = ("turn", "step", "kind", "leg", "routed_leg", "score", "threshold", "reason", "breakdown")
     assert [{f: r[f] for f in fields} for r in again] == [{f: r[f] for f in fields} for r in handed]

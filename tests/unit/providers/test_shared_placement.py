@@ -11,7 +11,8 @@ import pytest
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 
-from fusion_graph.coordination.shared_state import SharedState, SharedStateUnavailable
+from fusion_graph.coordination.shared_base import SharedStateUnavailable
+from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph.coordination.slot_leases import LeaseRow, LocalLeases, choose_slot
 from fusion_graph.providers.ask import Ask, ask
 from fusion_graph.providers.chain import ProviderChain, board_key
@@ -215,7 +216,7 @@ async def test_a_shared_slot_s_turn_is_refused_when_the_database_is_down() -> No
     state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
     try:
         with pytest.raises(SharedStateUnavailable):
-            async with state.slot_turn("http://a", 3, wait_s=1):
+            async with state.locks.slot_turn("http://a", 3, wait_s=1):
                 pass
     finally:
         await state.aclose()
