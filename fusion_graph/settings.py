@@ -238,9 +238,10 @@ class FusionSettings(BaseSettings):
     )
     slot_home_wait_s: Annotated[float, *between(0, 600)] = Field(
         2.0,
-        description="Seconds a returning thread waits for a slot on the llama-server box whose host "
-        "prompt cache holds its prefix (shared state, several boxes) before it moves to another box "
-        "and prefills its prompt there once; 0 moves at once.",
+        description="Seconds a returning thread waits at least for a slot on the llama-server box whose "
+        "host prompt cache holds its prefix (several boxes) before it moves to another box and "
+        "prefills its prompt there once; longer while runs hold their slots longer (about one run "
+        "there, at most request_timeout); 0 moves at once.",
     )
     memory_claim_lease_s: Annotated[float, *between(1, 3600)] = Field(
         15.0,

@@ -209,6 +209,8 @@ BoxModel = Callable[[str], Awaitable[BaseChatModel]]
 GUEST_RETRY_S = 5.0
 #: Seconds between two asks while a returning thread waits for a slot on its home box.
 HOME_POLL_S = 0.05
+#: Weight of the latest run in a box's moving average of how long runs hold a slot.
+RUN_AVERAGE = 0.3
 #: Seconds a failed request waits, at most, for llama-server to show its slot idle before its turn is
 #: given back (llama-server cancels a request whose connection closed within about a second).
 SETTLE_S = 15.0
@@ -293,6 +295,10 @@ class LeasedPlacement:
         self._warmed: set[str] = set()
         self._named: set[tuple[str, int]] = set()
         """Slots a request of this process named: they hold a prompt, a warm-up would only evict it."""
+        self._runs: dict[tuple[str, str], tuple[str, float]] = {}
+        """Per (pool, holder): the box of the thread's run in progress and when it took its slot."""
+        self._run_s: dict[str, float] = {}
+        """Per box: how long a thread's run has held a slot there lately (a moving average)."""
 
     # -- where -------------------------------------------------------------------------------
 
@@ -314,8 +320,8 @@ class LeasedPlacement:
         settings = self.slots.settings
         preferred = slots.preferred_slot(holder) if slots.total_slots > 1 else 0
         # Over several boxes, a returning thread waits a moment for a slot on the box that caches its
-        # prefix (slot_home_wait_s) before it moves to another box and prefills there once.
-        deadline = time.monotonic() + settings.slot_home_wait_s
+        # prefix before it moves to another box and prefills there once (``home_wait_s``).
+        deadline = time.monotonic() + self.home_wait_s(boxes)
         while True:
             stay = len(boxes) > 1 and time.monotonic() < deadline
             ask = LeaseAsk(
@@ -326,6 +332,11 @@ class LeasedPlacement:
                 break
             await asyncio.sleep(HOME_POLL_S)
         fresh_for = GUEST_RETRY_S if claim.guest else settings.slot_lease_s / 2
+        if not claim.guest:
+            self._runs.setdefault((pool, holder), (claim.box, time.monotonic()))
+            if len(self._runs) > 65_536:  # runs whose end was never told (a killed run): the oldest go
+                for old in list(self._runs)[:1024]:
+                    del self._runs[old]
         # The copy kept for the thread's next requests: the takeover is this request's news alone.
         self._held[(pool, holder)] = (
             dataclasses.replace(claim, took_from=None),
@@ -335,6 +346,20 @@ class LeasedPlacement:
             for old in list(self._held)[:1024]:
                 del self._held[old]
         return claim
+
+    def home_wait_s(self, boxes: tuple[str, ...]) -> float:
+        """How long a returning thread waits for a slot on its home box before it moves (several boxes).
+
+        ``slot_home_wait_s``, or longer while runs hold their slots longer: a slot at
+        home frees within about one run, and a move costs the thread's whole prompt
+        prefilled again on the other box, which on a loaded box takes longer than
+        the wait. At most ``request_timeout``; ``slot_home_wait_s`` 0 never waits.
+        """
+        settings = self.slots.settings
+        if settings.slot_home_wait_s <= 0:
+            return 0.0
+        run_s = max((self._run_s.get(box, 0.0) for box in boxes), default=0.0)
+        return min(max(settings.slot_home_wait_s, run_s), float(settings.request_timeout))
 
     async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
         """The thread's leased slot (or its box's reflection slot), straight to its box."""
@@ -527,6 +552,11 @@ class LeasedPlacement:
         asks the table again, as another thread may hold the slot by then.
         """
         holder = routing_key(thread_id)
+        for key in [key for key in self._runs if key[1] == holder]:
+            box, began = self._runs.pop(key)
+            took = time.monotonic() - began
+            last = self._run_s.get(box)
+            self._run_s[box] = took if last is None else last + RUN_AVERAGE * (took - last)
         for key in [key for key in self._held if key[1] == holder]:
             claim, _ = self._held.pop(key)
             if claim.guest:

@@ -21,6 +21,7 @@ from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import build_local_model
 from fusion_graph.providers.placement import NOWHERE, LeasedPlacement, Placement, ServerSlots
 from fusion_graph.providers.pricing import FREE, Pricing
+from fusion_graph.providers.slots import routing_key
 from fusion_graph.routing.records import StepKind
 from fusion_graph.routing.score import RouteDecision
 from fusion_graph.settings import FusionSettings
@@ -284,3 +285,33 @@ async def test_in_this_process_a_running_threads_slot_is_never_taken_and_an_idle
     assert (await placer.place(link, "t2")).slot == two.slot  # a running thread keeps its slot
     back = await placer.place(link, "t1")  # t1 comes back while both run: a guest on a named slot
     assert back.notes["guest"] and back.slot in {0, 1}
+
+
+async def test_a_returning_thread_waits_for_its_home_box_about_as_long_as_runs_hold_slots_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A move prefills the thread's whole prompt again: while runs are slow, waiting at home is cheaper."""
+    settings = FusionSettings(local_slots=2, slot_home_wait_s=2, request_timeout=30)
+    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+
+    async def no_props(link: ChainLink) -> Any:
+        return {"total_slots": 2}
+
+    boxes = ("http://a:8080", "http://b:8080")
+    placer = LeasedPlacement(LocalLeases(), ServerSlots(settings, no_props), boxes=boxes, box_model=None)
+    named = placer.boxes
+    assert placer.home_wait_s(named) == 2  # nothing measured yet: the setting
+    slots = await placer.slots.pool(link)
+    assert slots is not None
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    for run in range(4):  # runs that hold their slot 8 s each, on whichever box they got
+        for thread in ("t1", "t2"):
+            holder = routing_key(f"{thread}-{run}")
+            await placer._claim(link, "pool", named, holder, slots)
+        clock[0] += 8
+        for thread in ("t1", "t2"):
+            await placer.release(f"{thread}-{run}")
+    assert 7 < placer.home_wait_s(named) <= 8  # about one run
+    placer.slots.settings = FusionSettings(local_slots=2, slot_home_wait_s=0)
+    assert placer.home_wait_s(named) == 0  # 0: a returning thread never waits
