@@ -91,6 +91,7 @@ BOX_FLAGS: dict[Flags, tuple[str, ...]] = {
     "documented": ("--slot-prompt-similarity", "1"),
     "no-host-cache": ("--slot-prompt-similarity", "1", "--cache-ram", "0"),
 }
+#: How the results name a box's host cache when its flags leave ``--cache-ram`` to llama-server.
 DEFAULT_CACHE_RAM = "--cache-ram (llama-server's default)"
 #: Greedy tokens of each answer compared with ``--check-answers``.
 ANSWER_TOKENS = 8

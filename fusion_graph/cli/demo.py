@@ -275,9 +275,15 @@ def demo(
             result = asyncio.run(play(chosen, run_context, settings, local_url=local_url))
         else:
             result = _play_live(chosen, run_context, settings, local_url)
-    except (ProviderConfigError, ContextError, LlamaServerUnavailable, InvalidInput, TraceError) as error:
-        raise fail(str(error)) from None
-    except (ChainExhausted, ProviderRequestError) as error:
+    except (
+        ProviderConfigError,
+        ContextError,
+        LlamaServerUnavailable,
+        InvalidInput,
+        TraceError,
+        ChainExhausted,
+        ProviderRequestError,
+    ) as error:
         raise fail(str(error)) from None
     if as_json:
         typer.echo(

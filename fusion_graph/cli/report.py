@@ -123,9 +123,8 @@ def stored_threads(db: Path, thread: str | None = None) -> dict[str, StoredThrea
         reader = state_reader(saver)
         for thread_id, first_id in firsts.items():
             config: Any = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
-            latest = saver.get_tuple(config)
             first = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": first_id}})
-            values = reader.get_state(config).values if latest is not None else {}
+            values = reader.get_state(config).values
             threads[thread_id] = StoredThread(
                 route_log=list(values.get("route_log", [])),
                 started_at=first.checkpoint.get("ts") if first is not None else None,
@@ -243,13 +242,13 @@ def _read_threads(
     reader = state_reader(saver)
     for row in rows:
         config: Any = {"configurable": {"thread_id": str(row["thread_id"]), "checkpoint_ns": ""}}
-        latest = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": row["last"]}})
+        latest = reader.get_state({"configurable": {**config["configurable"], "checkpoint_id": row["last"]}})
+        if latest.created_at is None:  # gone since the query listed it
+            continue
+        if since is not None and datetime.fromisoformat(latest.created_at) < since:
+            continue
         first = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": row["first"]}})
-        if latest is None:
-            continue
-        if since is not None and datetime.fromisoformat(latest.checkpoint["ts"]) < since:
-            continue
-        values = reader.get_state(latest.config).values
+        values = latest.values
         threads[str(row["thread_id"])] = StoredThread(
             route_log=list(values.get("route_log", [])),
             started_at=first.checkpoint.get("ts") if first is not None else None,

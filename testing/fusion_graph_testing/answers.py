@@ -53,7 +53,28 @@ def alone(body: dict[str, Any], top: int = TOP) -> dict[str, Any]:
     return {**sent, "cache_prompt": False, "temperature": 0, "logprobs": True, "top_logprobs": top}
 
 
-def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> str | None:
+@dataclass(frozen=True)
+class Difference:
+    """Where an answer under load leaves the alone run materially (``str``: in words)."""
+
+    index: int
+    loaded: str | None
+    solo: str | None
+    gap: float | None
+    """Nats the alone run puts the loaded token below its own; ``None``: not among its alternatives."""
+    top: int
+    """How many alternatives the alone run reported there."""
+    lengths: tuple[int, int] | None = None
+    """Token counts under load and alone, when the two agree token for token but one stops sooner."""
+
+    def __str__(self) -> str:
+        if self.lengths is not None:
+            return f"{self.lengths[0]} tokens under load, {self.lengths[1]} alone"
+        gap = f"{self.gap:.3f} nats below" if self.gap is not None else f"not in the top {self.top}"
+        return f"token {self.index}: {self.loaded!r} under load, {self.solo!r} alone ({gap})"
+
+
+def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> Difference | None:
     """Where ``loaded`` leaves ``solo`` materially (see the module docstring); ``None``: it does not.
 
     At the first position the two differ, the token given under load is a tie broken the other way
@@ -65,15 +86,14 @@ def difference(loaded: list[dict[str, Any]], solo: list[dict[str, Any]]) -> str 
             continue
         top = {alt.get("token"): alt.get("logprob") for alt in want.get("top_logprobs") or []}
         chosen, theirs = want.get("logprob"), top.get(got.get("token"))
+        gap = None
         if isinstance(chosen, float | int) and isinstance(theirs, float | int):
             if chosen - theirs <= MARGIN:
                 return None
-            gap = f"{chosen - theirs:.3f} nats below"
-        else:
-            gap = f"not in the top {len(top)}"
-        return f"token {index}: {got.get('token')!r} under load, {want.get('token')!r} alone ({gap})"
+            gap = float(chosen - theirs)
+        return Difference(index, got.get("token"), want.get("token"), gap, len(top))
     if len(loaded) != len(solo):
-        return f"{len(loaded)} tokens under load, {len(solo)} alone"
+        return Difference(min(len(loaded), len(solo)), None, None, None, 0, (len(loaded), len(solo)))
     return None
 
 
@@ -92,7 +112,7 @@ async def divergent(client: httpx.AsyncClient, exchanges: list[Exchange]) -> lis
             found.append(f"request {number}: no logprobs in an answer (ask with logprobs and top_logprobs)")
             continue
         where = difference(loaded, solo)
-        if where is not None and where.endswith(f"(not in the top {TOP})"):  # a flat top: ask for more
+        if where is not None and where.gap is None and where.top == TOP:  # a flat top 20: ask for more
             response = await client.post("/chat/completions", json=alone(exchange.body, WIDE_TOP))
             response.raise_for_status()
             where = difference(loaded, tokens(response.json()))

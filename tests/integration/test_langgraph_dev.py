@@ -42,6 +42,17 @@ def fakes() -> Iterator[tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]]:
         yield cloud, local, recorder
 
 
+def dev_settings(cloud: FakeOpenAI, local: FakeOpenAI, workspace: Path, key: str) -> dict[str, str]:
+    """The operator's settings of a served graph on fake cloud and local servers (4 slots, ``workspace``)."""
+    return {
+        "OPENAI_API_KEY": key,
+        "FUSION_CLOUD_BASE_URL": cloud.base_url,
+        "FUSION_LOCAL_BASE_URL": local.base_url,
+        "FUSION_LOCAL_SLOTS": "4",
+        "FUSION_WORKSPACE_ROOT": str(workspace),
+    }
+
+
 @contextlib.contextmanager
 def serve(
     tmp_path: Path,
@@ -122,11 +133,7 @@ def server(tmp_path: Path, fakes: tuple[FakeOpenAI, FakeOpenAI, FakeOpenAI]) -> 
     workspace.mkdir()
     (workspace / "notes.txt").write_text("hello\n", encoding="utf-8")
     settings = {
-        "OPENAI_API_KEY": "sk-operator-key-for-the-real-cloud",
-        "FUSION_CLOUD_BASE_URL": cloud.base_url,
-        "FUSION_LOCAL_BASE_URL": local.base_url,
-        "FUSION_LOCAL_SLOTS": "4",
-        "FUSION_WORKSPACE_ROOT": str(workspace),
+        **dev_settings(cloud, local, workspace, "sk-operator-key-for-the-real-cloud"),
     }
     with serve(tmp_path, settings) as url:
         yield url
@@ -291,11 +298,7 @@ async def test_budgets_resynthesis_and_the_routing_key_through_langgraph_dev(tmp
         FakeOpenAI([Reply(content="local draft"), Reply(content="local plan")]) as local,
     ):
         settings = {
-            "OPENAI_API_KEY": "sk-operator-key",
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": local.base_url,
-            "FUSION_LOCAL_SLOTS": "4",
-            "FUSION_WORKSPACE_ROOT": str(workspace),
+            **dev_settings(cloud, local, workspace, "sk-operator-key"),
             "FUSION_THREAD_CLOUD_BUDGET_USD": "0.5",  # the operator's ceiling
             "FUSION_CLOUD_PRICE_LIKE": "openai",  # a budget needs a price: the fake bills like OpenAI
         }
@@ -450,11 +453,7 @@ async def test_a_create_agent_agent_with_the_middleware_runs_under_langgraph_dev
     plan = Reply(content="", tool_calls=[("list_dir", {"path": "."})])
     with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="one note")]) as local:
         settings = {
-            "OPENAI_API_KEY": KEY,
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": local.base_url,
-            "FUSION_LOCAL_SLOTS": "4",
-            "FUSION_WORKSPACE_ROOT": str(workspace),
+            **dev_settings(cloud, local, workspace, KEY),
         }
         extra = {"fusion_agent": "./examples/create_agent_fusion.py:agent"}
         with serve(tmp_path, settings, graphs=extra) as url:
@@ -490,11 +489,7 @@ async def test_run_input_that_rewrites_a_thread_is_refused_by_the_served_graph(t
         FakeOpenAI([Reply(content="the answer")]) as local,
     ):
         settings = {
-            "OPENAI_API_KEY": KEY,
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": local.base_url,
-            "FUSION_LOCAL_SLOTS": "4",
-            "FUSION_WORKSPACE_ROOT": str(workspace),
+            **dev_settings(cloud, local, workspace, KEY),
         }
         with serve(tmp_path, settings) as url:
             client: Any = get_client(url=url)

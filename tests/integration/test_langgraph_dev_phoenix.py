@@ -29,7 +29,7 @@ from langgraph_sdk import get_client
 
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from fusion_graph_testing.phoenix import Phoenix, PhoenixNotInstalled, ensure_phoenix
-from tests.integration.test_langgraph_dev import CLI, serve
+from tests.integration.test_langgraph_dev import CLI, dev_settings, serve
 from tests.plugins.requires import service_missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,11 +128,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         for name in [n for n in os.environ if n.startswith("OTEL_")]:  # the runner's own never reach it
             patch.delenv(name)
         settings = {
-            "OPENAI_API_KEY": "sk-operator-key-for-the-real-cloud",
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": local.base_url,
-            "FUSION_LOCAL_SLOTS": "4",
-            "FUSION_WORKSPACE_ROOT": str(workspace),
+            **dev_settings(cloud, local, workspace, "sk-operator-key-for-the-real-cloud"),
             "FUSION_TRACES": "true",
             "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url,
             "OTEL_SERVICE_NAME": "fusion-graph-langgraph-dev",

@@ -15,7 +15,7 @@ from typing import Any
 from langgraph_sdk import get_client
 
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
-from tests.integration.test_langgraph_dev import serve
+from tests.integration.test_langgraph_dev import dev_settings, serve
 
 
 def spans_in(log: Path) -> list[dict[str, Any]]:
@@ -34,11 +34,7 @@ async def test_the_spans_of_a_langgraph_dev_run_are_one_trace_under_its_run_span
     plan = Reply(content="Plan: list the workspace", tool_calls=[("list_dir", {"path": "."})])
     with FakeOpenAI([plan]) as cloud, FakeOpenAI([Reply(content="done")]) as local:
         settings = {
-            "OPENAI_API_KEY": "sk-operator-key-for-the-real-cloud",
-            "FUSION_CLOUD_BASE_URL": cloud.base_url,
-            "FUSION_LOCAL_BASE_URL": local.base_url,
-            "FUSION_LOCAL_SLOTS": "4",
-            "FUSION_WORKSPACE_ROOT": str(workspace),
+            **dev_settings(cloud, local, workspace, "sk-operator-key-for-the-real-cloud"),
             "FUSION_TRACES": "true",
             "FUSION_TRACES_EXPORTER": "console",
         }

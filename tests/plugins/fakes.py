@@ -85,3 +85,16 @@ def split_config(**values: Any) -> tuple[FusionSettings, dict[str, Any]]:
     operator = {k: v for k, v in values.items() if k in OPERATOR_FIELDS}
     run = {k: v for k, v in values.items() if k not in OPERATOR_FIELDS}
     return FusionSettings(**operator), run
+
+
+async def turn_state(agent: Any, how: str, text: str, context: Any) -> dict[str, Any]:
+    """One turn on thread ``t``, by ``ainvoke`` or ``astream(stream_mode="messages")``; the state after."""
+    config: Any = {"configurable": {"thread_id": "t"}}
+    if how == "ainvoke":
+        await agent.ainvoke({"messages": [HumanMessage(text)]}, config, context=context)
+    else:
+        async for _ in agent.astream(
+            {"messages": [HumanMessage(text)]}, config, context=context, stream_mode="messages"
+        ):
+            pass
+    return dict((await agent.aget_state(config)).values)

@@ -30,7 +30,7 @@ from fusion_graph.errors import ContextError
 from fusion_graph.middleware import FusionRoutingMiddleware
 from fusion_graph.middleware.fusion_routing import unanswered_malformed_calls
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
-from tests.plugins.fakes import ScriptedModel, ai_calls, call
+from tests.plugins.fakes import ScriptedModel, ai_calls, call, turn_state
 
 CONTEXT = FusionContext(sub_runners="off", loop_repeat_limit=100)
 HOW = ["ainvoke", "messages"]
@@ -100,15 +100,7 @@ def agent_on(model: Any, tools: list[BaseTool], settings: FusionSettings | None 
 
 async def run(agent: Any, how: str, text: str, context: Any = CONTEXT) -> dict[str, Any]:
     """One turn on thread ``t``, by ``ainvoke`` or ``astream(stream_mode="messages")``; the state after."""
-    config: Any = {"configurable": {"thread_id": "t"}}
-    if how == "ainvoke":
-        await agent.ainvoke({"messages": [HumanMessage(text)]}, config, context=context)
-    else:
-        async for _ in agent.astream(
-            {"messages": [HumanMessage(text)]}, config, context=context, stream_mode="messages"
-        ):
-            pass
-    return dict((await agent.aget_state(config)).values)
+    return await turn_state(agent, how, text, context)
 
 
 @tool

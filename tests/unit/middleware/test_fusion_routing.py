@@ -23,7 +23,7 @@ from fusion_graph.middleware import FusionRoutingMiddleware
 from fusion_graph.middleware.fusion_routing import turn_and_step
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
-from tests.plugins.fakes import ScriptedModel, ai_calls, call, user_input
+from tests.plugins.fakes import ScriptedModel, ai_calls, call, turn_state, user_input
 
 FIELDS = ("turn", "step", "kind", "routed_leg", "leg", "score", "threshold", "reason")
 CONTEXT = FusionContext(
@@ -69,15 +69,7 @@ def agent_with(middleware: FusionRoutingMiddleware, model: Any, *others: Any) ->
 
 
 async def run(agent: Any, how: str, text: str = "go", context: Any = CONTEXT) -> dict[str, Any]:
-    config: Any = {"configurable": {"thread_id": "t"}}
-    if how == "ainvoke":
-        await agent.ainvoke({"messages": [HumanMessage(text)]}, config, context=context)
-    else:
-        async for _ in agent.astream(
-            {"messages": [HumanMessage(text)]}, config, context=context, stream_mode="messages"
-        ):
-            pass
-    return dict((await agent.aget_state(config)).values)
+    return await turn_state(agent, how, text, context)
 
 
 def test_turn_and_step_count_the_turn_s_model_calls() -> None:
