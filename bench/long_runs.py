@@ -40,9 +40,10 @@ from bench.kv.server import N_SLOTS, prepare_server, server_version
 from bench.traces import DEFAULT_TRACES, QUICK_OTHER, QUICK_SWE, is_swe_file
 from fusion_graph.context import FusionContext
 from fusion_graph.errors import TraceError
+from fusion_graph.nodes.step import Sizer
+from fusion_graph.nodes.tools import batch_notice
 from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.llama_server import ChatLlamaServer, count_prompt_tokens
-from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.placement import slot_body
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.providers.slots import SlotPool
@@ -50,10 +51,8 @@ from fusion_graph.replay.history import split_system
 from fusion_graph.replay.traces import RecordedTrajectory, load_trajectories
 from fusion_graph.routing.score import DEFAULT_CLOUD_SHARE, Leg
 from fusion_graph.settings import FusionSettings
-from fusion_graph.sizing.tokens import approximate_tokens, build_prompt
-from fusion_graph.sizing.turn import next_route, turn_start
+from fusion_graph.sizing.turn import approximate_tokens, build_prompt, next_route, turn_start
 from fusion_graph.state import PromptAnchor, State
-from fusion_graph.tools.batch import batch_notice
 
 #: Tokens one llama-server slot holds in this benchmark.
 SLOT_WINDOW = 8192

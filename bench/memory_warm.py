@@ -64,16 +64,14 @@ from bench.traces import (
 )
 from fusion_graph import memory, prompts
 from fusion_graph.memory import job_call
-from fusion_graph.providers.ask import bound_model
-from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.links import ChainLink
+from fusion_graph.providers.chain import ProviderChain, bound_model
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.placement import FixedPlacement, Placement, slot_body
 from fusion_graph.providers.slots import SlotPool
 from fusion_graph.routing.records import timings_numbers
 from fusion_graph.routing.score import DEFAULT_HYSTERESIS
-from fusion_graph.sizing.tokens import build_prompt
+from fusion_graph.sizing.turn import build_prompt
 
 #: The issue's target: from a thread's second job on, this share of each job's prompt comes from cache.
 TARGET = 0.80
@@ -214,7 +212,7 @@ class Replay:
     """One variant against one server."""
 
     variant: Variant
-    link: ChainLink
+    link: Provider
     chain: ProviderChain
     pool: SlotPool
     jobs: list[JobRecord]
@@ -346,7 +344,7 @@ async def run_variant(
         max_retries=0,
         timeout=600,
     )
-    link = ChainLink.from_provider(Provider(id="local:tiny", leg="local", model=model))
+    link = Provider(id="local:tiny", leg="local", model=model)
     replay = Replay(variant, link, ProviderChain([link]), SlotPool(N_SLOTS), [], StepCheck())
     queue = list(trajectories)
 

@@ -27,18 +27,17 @@ from typing import Any
 
 from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph.coordination.slot_leases import LocalLeases
-from fusion_graph.providers.links import ChainLink
-from fusion_graph.providers.models import build_local_model
+from fusion_graph.providers.models import Provider, build_local_model
 from fusion_graph.providers.placement import LeasedPlacement, Placer, ServerSlots
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.settings import FusionSettings
 
 
-async def _no_props(link: ChainLink) -> Any:
+async def _no_props(link: Provider) -> Any:
     return None
 
 
-async def timed(placer: Placer, link: ChainLink, threads: Sequence[str], steps: int) -> dict[str, float]:
+async def timed(placer: Placer, link: Provider, threads: Sequence[str], steps: int) -> dict[str, float]:
     """Microseconds per ``place`` call: each thread's first (a claim where shared), then its steps.
 
     ``moved`` counts later placements that named another slot than the thread's first:
@@ -74,7 +73,7 @@ async def timed(placer: Placer, link: ChainLink, threads: Sequence[str], steps: 
 async def measure(url: str, threads: int, steps: int) -> dict[str, Any]:
     """Both placers over one local link of ``threads + 1`` slots (one per thread, and the reflection slot)."""
     settings = FusionSettings(local_slots=threads + 1, local_base_url="http://127.0.0.1:9/v1")
-    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+    link = Provider("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
     names = [f"thread-{i}" for i in range(threads)]
     # As the graph places without shared state: this process's own lease table, by the same rule.
     local = LeasedPlacement(LocalLeases(), ServerSlots(settings, _no_props), boxes=(), box_model=None)

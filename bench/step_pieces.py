@@ -46,7 +46,7 @@ from bench.overhead import (
     turn_options,
     turn_parser,
 )
-from fusion_graph.nodes import executors, route, tools
+from fusion_graph.nodes import step, tools
 
 #: Fusion's own pieces in the order of a step, as the table and the JSON name them.
 PIECES = ("decision", "executor", "provider call", "tool hook")
@@ -111,10 +111,9 @@ def watching(watch: Stopwatch) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         for owner, name, key in (
-            (route.RouteNode, "decide", "decide"),  # a continuation step's
-            (executors, "decide_step", "decide"),  # the plan's
-            (executors.InferenceNodes, "_infer", "infer"),
-            (executors, "ask", "ask"),
+            (step, "decide_step", "decide"),  # every step's (plan and continuation)
+            (step.InferenceNodes, "_infer", "infer"),
+            (step, "ask", "ask"),
         ):
             stack.enter_context(mock.patch.object(owner, name, watch.timed(key, getattr(owner, name))))
         stack.enter_context(mock.patch.object(tools, "wrap_tool_call", timed_hook))

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     )
     from fusion_graph.memory import MemoryJob, drain, sweep
     from fusion_graph.providers.chain import ProviderChain
-    from fusion_graph.providers.links import ChainLink
     from fusion_graph.providers.llama_server import ChatLlamaServer
+    from fusion_graph.providers.models import Provider
     from fusion_graph.replay import route_history
     from fusion_graph.routing.records import RouteRecord
     from fusion_graph.routing.rule import decide_leg
@@ -48,7 +48,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 #: Where each public name lives.
 _EXPORTS = {
     "ChainExhausted": "fusion_graph.errors",
-    "ChainLink": "fusion_graph.providers.links",
+    "Provider": "fusion_graph.providers.models",
     "ChatLlamaServer": "fusion_graph.providers.llama_server",
     "ContextError": "fusion_graph.errors",
     "FusionError": "fusion_graph.errors",
@@ -90,7 +90,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ChainExhausted",
-    "ChainLink",
     "ChatLlamaServer",
     "ContextError",
     "FusionContext",
@@ -99,6 +98,7 @@ __all__ = [
     "InvalidInput",
     "LlamaServerUnavailable",
     "MemoryJob",
+    "Provider",
     "ProviderChain",
     "ProviderConfigError",
     "ProviderRequestError",

@@ -43,14 +43,13 @@ from fusion_graph.nodes import (
     unavailable,
     wants_synthesis,
 )
+from fusion_graph.nodes.step import Sizer
 from fusion_graph.nodes.tools import tools_node
 from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.measure import Sizer
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.run_queue import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
-from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
-from fusion_graph.sizing.turn import last_batch, pending_calls, wants_tools
+from fusion_graph.sizing.turn import TokenCounter, approximate_tokens, last_batch, pending_calls, wants_tools
 from fusion_graph.state import Answered, InputState, State, check_thread_ttl
 from fusion_graph.tools.workspace import make_workspace_tools
 

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import fields
-from typing import Annotated, Any, Literal
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass as std_dataclass
+from dataclasses import field, fields
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -46,6 +49,7 @@ from pydantic_core import ArgsKwargs, ErrorDetails
 
 from fusion_graph import prompts
 from fusion_graph.errors import ContextError
+from fusion_graph.routing.records import RouteRecord
 from fusion_graph.routing.rule import check_score_quantiles
 from fusion_graph.routing.score import (
     DEFAULT_CLOUD_SHARE,
@@ -55,6 +59,10 @@ from fusion_graph.routing.score import (
     check_trouble_weights,
 )
 from fusion_graph.settings import ENV_PREFIX, OPERATOR_FIELDS, between, closest_name, dotenv_entries
+
+if TYPE_CHECKING:
+    from langchain_core.runnables import RunnableConfig
+    from langgraph.runtime import Runtime
 
 #: Marks a field as a model name so LangGraph Studio renders a model picker (in the served schema).
 LLM_PICKER = Field(json_schema_extra={"__template_metadata__": {"kind": "llm"}})
@@ -453,3 +461,64 @@ def _suggestion(error: ErrorDetails) -> str:
         return ""
     meant = closest_name(str(error["loc"][-1]), RUN_FIELDS)
     return f" (did you mean {meant!r}?)" if meant else ""
+
+
+def thread_id_of(config: RunnableConfig) -> str:
+    """The conversation's id (``configurable.thread_id``); one shared id when absent."""
+    return str((config.get("configurable") or {}).get("thread_id") or "default")
+
+
+def memory_on(runtime: Runtime[Any]) -> bool:
+    """Whether memory jobs can run: a store is attached and ``sub_runners`` is not ``off``."""
+    return runtime.store is not None and ensure_context(runtime.context).sub_runners != "off"
+
+
+@std_dataclass
+class SamplingScope:
+    """The tool call a sampling request belongs to, and the records collected for its thread.
+
+    Attributes:
+        turn: The run's turn (``State.turn``) when the tool was called.
+        step: The inference that asked for the call (``State.step``).
+        thread_id: The run's ``configurable.thread_id``.
+        context: The run's context (mode, ``cloud_share``, completion budget).
+        route_log: The thread's route log when the tool was called (its cloud spend so far).
+        records: Records of the sampling requests answered during the call, for ``route_log``.
+    """
+
+    turn: int
+    step: int
+    thread_id: str
+    context: FusionContext | None = None
+    route_log: Sequence[RouteRecord] = ()
+    records: list[RouteRecord] = field(default_factory=list)
+
+
+_SAMPLING_SCOPE: ContextVar[SamplingScope | None] = ContextVar("fusion_sampling_scope", default=None)
+
+
+@contextmanager
+def sampling_scope(
+    *,
+    turn: int,
+    step: int,
+    thread_id: str,
+    context: FusionContext | None,
+    route_log: Sequence[RouteRecord] = (),
+) -> Iterator[SamplingScope]:
+    """Collect the sampling records of whatever runs inside (a tool call); yields the scope.
+
+    Tasks started inside (an MCP session's receive loop) inherit the scope; the
+    records list is shared, so what they append is read here after the call.
+    """
+    scope = SamplingScope(turn=turn, step=step, thread_id=thread_id, context=context, route_log=route_log)
+    token = _SAMPLING_SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SAMPLING_SCOPE.reset(token)
+
+
+def current_scope() -> SamplingScope | None:
+    """The scope of the tool call running now, if any."""
+    return _SAMPLING_SCOPE.get()

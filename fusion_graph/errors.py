@@ -43,7 +43,7 @@ exception (its text, body or headers may echo the key).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 
@@ -203,3 +203,13 @@ class StateError(FusionError, RuntimeError):
     A thread edited by hand, or a ``Command`` that jumped into the middle of a
     step (e.g. to an executor with no decision for it).
     """
+
+
+def causes(error: BaseException, *, context: bool = False) -> Iterator[BaseException]:
+    """``error``, then what caused it (``__cause__``; with ``context``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or (current.__context__ if context else None)

@@ -27,12 +27,6 @@ from langgraph.types import Command
 
 from fusion_graph.errors import IdentityRefused, InvalidInput, InvalidThreadId
 
-
-def thread_id_of(config: RunnableConfig) -> str:
-    """The conversation's id (``configurable.thread_id``); one shared id when absent."""
-    return str((config.get("configurable") or {}).get("thread_id") or "default")
-
-
 #: A lone surrogate (U+D800 to U+DFFF): Python strings may hold one, UTF-8 cannot.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

@@ -5,7 +5,7 @@ These belong to whoever runs the graph, never to whoever calls it: under
 so nothing here can be set per run. A run's context may only *narrow* four of
 them: ``cloud_model`` to one of ``cloud_models``, ``workspace_root`` to a
 directory inside this one (see ``narrow``), and the two cloud budgets to lower
-ones (``routing.budget.cloud_budget``). Read once at graph build from
+ones (``routing.rule.cloud_budget``). Read once at graph build from
 ``FUSION_*`` environment variables (and a ``.env`` file), or passed as
 ``build_graph(settings=...)``.
 """

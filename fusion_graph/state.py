@@ -208,7 +208,7 @@ class State(InputState):
     stall: NotRequired[Stall | None]
     """Set when every provider failed an inference; resuming the thread retries it."""
     # NOTE: per leg, the last server-reported prompt size of this thread; kept in state so it
-    # survives checkpoints and process restarts (``fusion_graph.sizing.estimate``).
+    # survives checkpoints and process restarts (``fusion_graph.sizing.turn``).
     anchors: NotRequired[dict[str, PromptAnchor]]
     """Per leg: the prompt tokens its server last reported and the messages they covered."""
     # NOTE: the paced dial's running count of ``route_log`` (``turn.step_tally``), written by the

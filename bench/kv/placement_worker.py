@@ -56,7 +56,7 @@ async def serve(port: int) -> None:
     resolver = ProviderResolver()  # the operator settings from this process's FUSION_* environment
     chain = await resolver.chain(FusionContext(mode="local"))
     link = next(link for link in chain.links if link.leg == "local")
-    base_url = link.as_provider().base_url or resolver.settings.local_base_url
+    base_url = link.base_url or resolver.settings.local_base_url
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
 

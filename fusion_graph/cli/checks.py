@@ -76,7 +76,7 @@ def first_prompt_tokens(context: FusionContext, settings: FusionSettings) -> int
     """Estimated tokens of the first prompt a turn sends: system prompt, built-in tools, a short task."""
     from langchain_core.messages import HumanMessage
 
-    from fusion_graph.sizing.tokens import prompt_estimate
+    from fusion_graph.sizing.turn import prompt_estimate
     from fusion_graph.tools import make_workspace_tools
 
     task = HumanMessage("Rename foo to bar in src/app.py and update its tests.")

@@ -17,9 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
-from fusion_graph.providers.ask import Ask, Bounds, ask, prime_slot
-from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.links import ChainLink
+from fusion_graph.providers.chain import Ask, Bounds, ProviderChain, ask, prime_slot
+from fusion_graph.providers.models import Provider
 from fusion_graph.providers.placement import Placement, Placer
 from fusion_graph.redact import scrub
 from fusion_graph.routing.records import RouteRecord, make_record
@@ -39,12 +38,12 @@ _SLOT_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str
 )
 
 
-def _slot_lock(link: ChainLink, slot: int) -> asyncio.Lock:
+def _slot_lock(link: Provider, slot: int) -> asyncio.Lock:
     locks = _SLOT_LOCKS.setdefault(asyncio.get_running_loop(), {})
-    return locks.setdefault((link.as_provider().base_url or link.id, slot), asyncio.Lock())
+    return locks.setdefault((link.base_url or link.id, slot), asyncio.Lock())
 
 
-async def prime_reflection_slot(link: ChainLink, placement: Placement, timeout_s: float | None) -> bool:
+async def prime_reflection_slot(link: Provider, placement: Placement, timeout_s: float | None) -> bool:
     """Make llama-server hold the conversation's prefix for a job on the slot; ``True`` if it answered.
 
     llama-server restores a prompt from its host prompt cache (``--cache-ram``)
@@ -145,7 +144,7 @@ async def run_job(
         prime = runner.prime and attempt == 0  # a repair continues the slot's own content
 
         async def on_slot(
-            link: ChainLink,
+            link: Provider,
             placement: Placement,
             call: Callable[[], Awaitable[Any]],
             prime: bool = prime,

@@ -15,7 +15,7 @@ from typing_extensions import TypedDict
 
 from fusion_graph import prompts
 from fusion_graph.routing.score import Leg
-from fusion_graph.sizing.tokens import build_prompt
+from fusion_graph.sizing.turn import build_prompt
 
 logger = logging.getLogger(__name__)
 

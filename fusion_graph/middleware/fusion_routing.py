@@ -2,8 +2,8 @@
 
 Each model call of the agent is one step, decided and carried out as the graph
 does it: the same signals, score, hysteresis and plan rule (``sizing.turn.next_route``),
-the same budget guard and order (``nodes.route.order_step``), the same fit rule
-and provider call (``providers.ask.ask``: the thread's llama-server slot and
+the same budget guard and order (``nodes.step.order_step``), the same fit rule
+and provider call (``providers.chain.ask``: the thread's llama-server slot and
 box, fallover along the provider chain, pricing at the provider that
 answered), the same ``route_log`` records in the agent's state and the same
 ``fusion_route`` custom stream events. The attempt goes out through the agent's
@@ -55,23 +55,18 @@ from langgraph.types import Command
 from typing_extensions import NotRequired  # noqa: UP035 - the TypedDict of state, as in fusion_graph.state
 
 from fusion_graph import prompts
-from fusion_graph.context import FusionContext, context_defaults, ensure_context
+from fusion_graph.context import FusionContext, context_defaults, ensure_context, thread_id_of
 from fusion_graph.errors import ChainExhausted, ContextError
-from fusion_graph.inputs import thread_id_of
-from fusion_graph.nodes.dispatch import unique_call_ids
-from fusion_graph.nodes.route import decide_step, over_budget, routing_update
-from fusion_graph.providers.ask import Ask, ask
-from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.measure import Sizer
+from fusion_graph.nodes.step import Sizer, decide_step, over_budget, routing_update
+from fusion_graph.nodes.tools import malformed_call_message, unique_call_ids
+from fusion_graph.providers.chain import Ask, ProviderChain, ask
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub_content
 from fusion_graph.routing.records import RouteRecord, add_totals, records_totals
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
-from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
-from fusion_graph.sizing.turn import turn_start
+from fusion_graph.sizing.turn import TokenCounter, approximate_tokens, turn_start
 from fusion_graph.state import LOG_SNAPSHOT_EVERY, PromptAnchor, State, StepTally, append_records
-from fusion_graph.tools.batch import malformed_call_message
 from fusion_graph.tools.files import check_run_root
 
 #: Run contexts that are no run's settings, whatever the agent's ``context_schema``: refused, not

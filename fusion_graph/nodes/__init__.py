@@ -10,14 +10,13 @@
 - ``ends``: ``step_limit``, ``give_up`` and ``unavailable`` (every provider down)
 """
 
+from fusion_graph.context import memory_on
 from fusion_graph.errors import InvalidInput
-from fusion_graph.nodes.dispatch import sends
 from fusion_graph.nodes.ends import give_up, step_limit, unavailable
-from fusion_graph.nodes.executors import InferenceNodes
-from fusion_graph.nodes.memory import MemoryNodes, memory_on
-from fusion_graph.nodes.route import AFTER_TOOLS, Destination, RouteNode
+from fusion_graph.nodes.memory import MemoryNodes
+from fusion_graph.nodes.step import AFTER_TOOLS, Destination, InferenceNodes, RouteNode
 from fusion_graph.nodes.synthesis import SynthesisNode, wants_synthesis
-from fusion_graph.nodes.tools import tools_node
+from fusion_graph.nodes.tools import sends, tools_node
 
 __all__ = [
     "AFTER_TOOLS",

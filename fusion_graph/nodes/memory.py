@@ -19,24 +19,25 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import BaseMessage, HumanMessage
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
-from fusion_graph.context import FusionContext, ensure_context
-from fusion_graph.inputs import thread_id_of
+from fusion_graph.context import FusionContext, ensure_context, thread_id_of
 from fusion_graph.memory.background import detach, loop_outlives_run
 from fusion_graph.memory.job_log import pending_entry, thread_entries, write_entry
 from fusion_graph.memory.jobs import JobTicket, TicketFields
 from fusion_graph.memory.runs import MemoryRuns
 from fusion_graph.memory.store import memory_message, namespace_of, recall
-from fusion_graph.providers.ask import ROUTE_EVENT
-from fusion_graph.providers.measure import Sizer
+from fusion_graph.providers.chain import ROUTE_EVENT
 from fusion_graph.routing.records import RouteRecord, records_totals
 from fusion_graph.sizing.turn import turn_start
 from fusion_graph.state import State
+
+if TYPE_CHECKING:
+    from fusion_graph.nodes.step import Sizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,6 @@ class TurnStart:
 
 #: Prepares a new turn: recalls memories, catches up on memory jobs (``MemoryNodes.recall``).
 Recall = Callable[[State, Runtime[FusionContext]], Awaitable[TurnStart]]
-
-
-def memory_on(runtime: Runtime[Any]) -> bool:
-    """Whether memory jobs can run: a store is attached and ``sub_runners`` is not ``off``."""
-    return runtime.store is not None and ensure_context(runtime.context).sub_runners != "off"
 
 
 def records_update(records: Sequence[RouteRecord], runtime: Runtime[Any]) -> dict[str, Any]:

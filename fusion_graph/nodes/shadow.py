@@ -29,12 +29,11 @@ from langchain_core.tools import BaseTool
 from langgraph.constants import TAG_NOSTREAM
 from langgraph.store.base import BaseStore
 
-from fusion_graph.providers.ask import Ask, Asked, Bounds, ask
-from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.chain import Ask, Asked, Bounds, ProviderChain, ask
 from fusion_graph.providers.placement import Placer
 from fusion_graph.redact import scrub
-from fusion_graph.routing.budget import BudgetCheck
 from fusion_graph.routing.records import RouteRecord, action, same_action
+from fusion_graph.routing.rule import BudgetCheck
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.telemetry import switch as telemetry
 
@@ -153,7 +152,8 @@ class ShadowChecks:
 
     def __init__(self) -> None:
         """No shadow in flight."""
-        self._pending: dict[str, list[_Pending]] = {}
+        #: Shadow calls not yet folded, by thread (a step with none here skips ``fold``).
+        self.pending: dict[str, list[_Pending]] = {}
 
     def start(
         self,
@@ -196,7 +196,7 @@ class ShadowChecks:
         task = asyncio.ensure_future(ask(call, chain=cloud, placer=placer, bounds=bounds))
         item = _Pending(thread_id, turn, step, score, None, task, store, namespace)
         task.add_done_callback(lambda _: item.finish())
-        self._pending.setdefault(thread_id, []).append(item)
+        self.pending.setdefault(thread_id, []).append(item)
         return True
 
     def answered(self, thread_id: str, turn: int, step: int, local: AIMessage | None) -> None:
@@ -205,7 +205,7 @@ class ShadowChecks:
         Without a local answer there is nothing to compare: the shadow is
         cancelled and forgotten (cancelling a finished task would keep it).
         """
-        pending = self._pending.get(thread_id, [])
+        pending = self.pending.get(thread_id, [])
         for item in pending:
             if (item.turn, item.step) == (turn, step) and item.local is None:
                 if local is None:
@@ -221,7 +221,7 @@ class ShadowChecks:
         One that ``route_log`` already holds (a turn in another worker recorded it
         from the store) is not returned again.
         """
-        pending = self._pending.get(thread_id)
+        pending = self.pending.get(thread_id)
         if not pending:
             return []
         recorded: set[str] | None = None
@@ -240,9 +240,9 @@ class ShadowChecks:
             if item.key not in recorded:
                 records.append(record)
         if left:
-            self._pending[thread_id] = left
+            self.pending[thread_id] = left
         else:
-            self._pending.pop(thread_id, None)
+            self.pending.pop(thread_id, None)
         return records
 
 

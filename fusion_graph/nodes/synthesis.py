@@ -24,15 +24,13 @@ from langgraph.config import get_config
 from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
-from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.context import FusionContext, ensure_context, thread_id_of
 from fusion_graph.errors import ProviderRequestError, StateError
-from fusion_graph.inputs import thread_id_of
-from fusion_graph.providers.ask import ROUTE_EVENT, Ask, Bounds, ask
-from fusion_graph.providers.measure import Sizer
+from fusion_graph.nodes.step import Sizer
+from fusion_graph.providers.chain import ROUTE_EVENT, Ask, Bounds, ask
 from fusion_graph.routing.records import make_record, totals_of
 from fusion_graph.routing.score import Leg, RouteDecision
-from fusion_graph.sizing.tokens import build_prompt
-from fusion_graph.sizing.turn import last_ai
+from fusion_graph.sizing.turn import build_prompt, last_ai
 from fusion_graph.state import Answered, State
 
 #: Name of the instruction message sent with the synthesis call (never stored in the thread).

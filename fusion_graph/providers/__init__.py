@@ -8,7 +8,7 @@
 - ``slots``: slot affinity in one process (each thread keeps its llama-server slot, per box too)
 - ``placement``: where a local request goes (``Placer``): this process's slots, or shared leases
 - ``health``: classify an error; one provider's circuit (cooldown, probe)
-- ``links``: a provider in the chain (``ChainLink``) and closing the clients its model owns
+- ``links``: a provider in the chain (``Provider``) and closing the clients its model owns
 - ``chain``: fallover between providers (``ProviderChain``), cooldowns shared through a board
 - ``pricing``: per-provider prices and a thread's totals
 - ``resolver``: the chain a run's context resolves to, and the graph's placement
@@ -24,7 +24,6 @@ from fusion_graph.errors import (
     ProviderRequestError,
 )
 from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.resolver import ProviderResolver
@@ -32,7 +31,6 @@ from fusion_graph.providers.slots import SlotPool
 
 __all__ = [
     "ChainExhausted",
-    "ChainLink",
     "ChatLlamaServer",
     "LlamaServerUnavailable",
     "Provider",

@@ -20,11 +20,11 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from fusion_graph.context import DEFAULTS
 from fusion_graph.errors import LlamaServerUnavailable, LocalPoolMismatch, NotLlamaServer  # noqa: F401 - re-exported
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
-from fusion_graph.sizing.fit import MAX_BUDGET_SHARE
+from fusion_graph.routing.rule import MAX_BUDGET_SHARE
 
 #: The fewest tokens a start line gives each slot: the graph's first prompt (system prompt and tool
 #: definitions: about 600 tokens with the built-in ones) and its tool results, beside the default
-#: completion budget (4,096, at most half a slot: ``sizing.fit.MAX_BUDGET_SHARE``).
+#: completion budget (4,096, at most half a slot: ``routing.rule.MAX_BUDGET_SHARE``).
 MIN_SLOT_WINDOW = 8192
 
 

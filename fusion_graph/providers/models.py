@@ -8,7 +8,8 @@ retries: the provider chain is the retry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
@@ -18,37 +19,13 @@ from fusion_graph.errors import ProviderConfigError
 from fusion_graph.providers.http import loop_safe_client
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.openai_compatible import ChatOpenAICompatible
+from fusion_graph.providers.pricing import Pricing, pricing_for
 from fusion_graph.redact import register_model_secrets, register_secret
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 
 #: llama-server ignores the key, but the OpenAI client insists on one.
 LOCAL_API_KEY = "sk-no-key-required"
-
-
-@dataclass(frozen=True)
-class Provider:
-    """One answering endpoint: its id (as recorded in ``route_log``), leg and model."""
-
-    id: str
-    leg: Leg
-    model: BaseChatModel
-
-    @property
-    def base_url(self) -> str | None:
-        """The OpenAI-compatible base URL when the model speaks that wire format."""
-        if isinstance(self.model, ChatOpenAI):
-            return self.model.openai_api_base or None
-        return None
-
-
-def model_name(model: BaseChatModel) -> str:
-    """A readable name for a chat model (its ``model_name``/``model`` or class name)."""
-    for attr in ("model_name", "model"):
-        value = getattr(model, attr, None)
-        if isinstance(value, str) and value:
-            return value
-    return type(model).__name__
 
 
 def register_cloud_key(settings: FusionSettings, cloud: object | None = None) -> None:
@@ -111,3 +88,75 @@ def build_local_model(settings: FusionSettings) -> BaseChatModel:
         include_response_headers=bool(settings.local_worker_header),
         worker_header=settings.local_worker_header or None,
     )
+
+
+Closer = Callable[[BaseChatModel], Awaitable[None]]
+
+
+def owned_clients(model: BaseChatModel) -> list[object]:
+    """The HTTP clients ``model`` owns, i.e. those safe to close with it.
+
+    langchain-openai shares one cached default httpx client among every
+    ``ChatOpenAI`` with the same base URL and (hashable) timeout; closing it
+    would break the siblings, including a provider's replacement. Owned are
+    explicit ``http_client``/``http_async_client`` (also per model under
+    ``openai_proxy``) and the private clients built for an unhashable timeout.
+    """
+    if not isinstance(model, ChatOpenAI):
+        return []
+    owned: list[object] = [c for c in (model.http_async_client, model.http_client) if c is not None]
+    try:
+        hash(model.request_timeout)
+    except TypeError:
+        pairs = ((model.http_async_client, model.root_async_client), (model.http_client, model.root_client))
+        owned += [root for explicit, root in pairs if explicit is None and root is not None]
+    return owned
+
+
+async def close_chat_model(model: BaseChatModel) -> None:
+    """The default ``Closer``: close the HTTP clients ``model`` owns (see ``owned_clients``)."""
+    for client in owned_clients(model):
+        closer = getattr(client, "aclose", None) or getattr(client, "close", None)
+        result = closer() if closer is not None else None
+        if isinstance(result, Awaitable):
+            await result
+
+
+@dataclass(eq=False)
+class Provider:
+    """One answering endpoint of the chain: its id (as recorded in ``route_log``), leg, model and prices.
+
+    Providers compare by identity: a rebuilt provider is a new one. ``pricing``
+    defaults to ``pricing_for`` the provider; ``window`` (tokens it holds per
+    request, prompt + completion) ``None`` lets the resolver find it (operator
+    setting, llama-server's ``/props``, the model's profile). ``base_url`` is
+    read from the model once: slot pools, locks and call configs key on it.
+    """
+
+    id: str
+    leg: Leg
+    model: BaseChatModel
+    pricing: Pricing = None  # type: ignore[assignment]  # set in __post_init__ when not given
+    close: Closer = close_chat_model
+    window: int | None = None
+    base_url: str | None = field(default=None, init=False)
+    _closed: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Read the model's base URL, price the provider, and register its key for scrubbing."""
+        if isinstance(self.model, ChatOpenAI):  # the OpenAI-compatible wire format
+            self.base_url = self.model.openai_api_base or None
+        if self.pricing is None:
+            self.pricing = pricing_for(self)
+        register_model_secrets(self.model)  # its key is scrubbed from error texts from now on
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``aclose`` ran."""
+        return self._closed
+
+    async def aclose(self) -> None:
+        """Tear the model down; idempotent, so it happens at most once."""
+        if not self._closed:
+            self._closed = True
+            await self.close(self.model)

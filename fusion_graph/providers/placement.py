@@ -47,9 +47,9 @@ from fusion_graph.coordination.shared_locks import AdvisoryLocks
 from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph.coordination.slot_leases import LeaseAsk, SlotClaim
 from fusion_graph.coordination.slot_turns import TURNS, SlotTurns
-from fusion_graph.providers.health import causes
-from fusion_graph.providers.links import ChainLink
+from fusion_graph.errors import causes
 from fusion_graph.providers.llama_server import ServerProps, slot_states, warm_slot
+from fusion_graph.providers.models import Provider
 from fusion_graph.providers.slots import SlotPool, box_name, routing_key
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
@@ -107,7 +107,7 @@ NOWHERE = Placement()
 class Placer(Protocol):
     """Decides where a thread's local requests go."""
 
-    async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
+    async def place(self, link: Provider, thread_id: str, *, reflection: bool = False) -> Placement:
         """The placement of the next request of ``thread_id`` on ``link``.
 
         ``reflection``: the reserved reflection slot (memory jobs, MCP samples),
@@ -131,7 +131,7 @@ class FixedPlacement:
         """Place every local request at ``placement``."""
         self.placement = placement
 
-    async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
+    async def place(self, link: Provider, thread_id: str, *, reflection: bool = False) -> Placement:
         """``placement`` on a local link, nowhere in particular on a cloud one."""
         return self.placement if link.leg == "local" else NOWHERE
 
@@ -156,7 +156,7 @@ def slot_body(leg: Leg, slot: int | None) -> dict[str, Any] | None:
 
 
 #: What llama-server says about the server behind a local link (``None``: not llama-server, not reachable).
-PropsOf = Callable[[ChainLink], Awaitable[ServerProps | None]]
+PropsOf = Callable[[Provider], Awaitable[ServerProps | None]]
 
 
 class ServerSlots:
@@ -172,14 +172,14 @@ class ServerSlots:
         self.settings, self.props_of = settings, props_of
         self._pools: dict[tuple[str, int, bool], SlotPool] = {}
 
-    async def pool(self, link: ChainLink) -> SlotPool | None:
+    async def pool(self, link: Provider) -> SlotPool | None:
         """The slots of a local llama-server link, or ``None`` for anything else.
 
         Without ``local_slots``, a local server that is not llama-server (no
         ``/props``) runs without slot affinity and one that cannot be reached
         gets no slot for this call.
         """
-        url = link.as_provider().base_url
+        url = link.base_url
         if link.leg != "local" or url is None:
             return None
         total = self.settings.local_slots  # the operator's count wins, whatever /props says
@@ -195,7 +195,7 @@ class ServerSlots:
             pool = self._pools[key] = SlotPool(total, reserve_reflection=reserve)
         return pool
 
-    def headers(self, link: ChainLink, thread_id: str) -> dict[str, str] | None:
+    def headers(self, link: Provider, thread_id: str) -> dict[str, str] | None:
         """Headers of a local request of ``thread_id``: its routing key (``local_routing_header``)."""
         header = self.settings.local_routing_header
         if link.leg != "local" or not header:
@@ -302,16 +302,16 @@ class LeasedPlacement:
 
     # -- where -------------------------------------------------------------------------------
 
-    def _pool(self, link: ChainLink) -> tuple[str, tuple[str, ...]]:
+    def _pool(self, link: Provider) -> tuple[str, tuple[str, ...]]:
         """The pool's name (the local endpoint) and its boxes that answer (all, if none does)."""
-        url = link.as_provider().base_url or link.id
+        url = link.base_url or link.id
         boxes = self.boxes or (box_name(url),)
         now = time.monotonic()
         up = tuple(box for box in boxes if self._down.get(box, 0.0) <= now)
         return url, up or boxes
 
     async def _claim(
-        self, link: ChainLink, pool: str, boxes: tuple[str, ...], holder: str, slots: SlotPool
+        self, link: Provider, pool: str, boxes: tuple[str, ...], holder: str, slots: SlotPool
     ) -> SlotClaim:
         """The thread's claim: this process's copy while it is fresh and its box answers, else the table's."""
         known = self._held.get((pool, holder))
@@ -361,7 +361,7 @@ class LeasedPlacement:
         run_s = max((self._run_s.get(box, 0.0) for box in boxes), default=0.0)
         return min(max(settings.slot_home_wait_s, run_s), float(settings.request_timeout))
 
-    async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
+    async def place(self, link: Provider, thread_id: str, *, reflection: bool = False) -> Placement:
         """The thread's leased slot (or its box's reflection slot), straight to its box."""
         if link.leg != "local":
             return NOWHERE
@@ -411,7 +411,7 @@ class LeasedPlacement:
         return boxes[0]
 
     async def _placement(
-        self, link: ChainLink, thread_id: str, box: str, slot: int | None, notes: dict[str, Any]
+        self, link: Provider, thread_id: str, box: str, slot: int | None, notes: dict[str, Any]
     ) -> Placement:
         model = await self.box_model(box) if self.box_model is not None and len(self.boxes) > 1 else None
         turn: Turn = self._unnamed_turn if slot is None else self._turn
@@ -524,7 +524,7 @@ class LeasedPlacement:
 
     # -- warm-up ----------------------------------------------------------------------------
 
-    async def _warm(self, link: ChainLink, pool: str, box: str, slots: SlotPool) -> None:
+    async def _warm(self, link: Provider, pool: str, box: str, slots: SlotPool) -> None:
         """On first contact with a box, one short request on each of its slots that holds no prompt.
 
         llama-server restores a returning thread's prefix from its host cache only

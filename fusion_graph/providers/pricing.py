@@ -25,16 +25,21 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from genai_prices import Usage, calc_price
 from genai_prices.data_snapshot import find_provider_by_id, get_snapshot
 from genai_prices.types import TieredPrices
 
 from fusion_graph.errors import ProviderConfigError
-from fusion_graph.providers.models import Provider, model_name
-from fusion_graph.routing.budget import StepPrice
 from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.rule import StepPrice
 from fusion_graph.routing.score import Leg
+
+if TYPE_CHECKING:
+    from langchain_core.language_models import BaseChatModel
+
+    from fusion_graph.providers.models import Provider
 
 MILLION = 1_000_000
 
@@ -95,6 +100,15 @@ class Pricing:
     ) -> Pricing:
         """Prices from the ``genai-prices`` catalogue."""
         return cls(model_ref=model_ref, provider_id=provider_id, api_url=api_url)
+
+
+def model_name(model: BaseChatModel) -> str:
+    """A readable name for a chat model (its ``model_name``/``model`` or class name)."""
+    for attr in ("model_name", "model"):
+        value = getattr(model, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return type(model).__name__
 
 
 def default_pricing(

@@ -32,26 +32,22 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langgraph.constants import TAG_NOSTREAM
 
-from fusion_graph.context import FusionContext, ensure_context
+from fusion_graph.context import FusionContext, SamplingScope, current_scope, ensure_context
 from fusion_graph.errors import ProviderRequestError, UsageError
-from fusion_graph.providers.ask import Ask, Bounds, ask
-from fusion_graph.providers.chain import ProviderChain
+from fusion_graph.providers.chain import Ask, Bounds, ProviderChain, ask
 from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub
-from fusion_graph.routing.budget import UNLIMITED, BudgetCheck, check_budget, expected_completion
 from fusion_graph.routing.records import RouteRecord, make_record
+from fusion_graph.routing.rule import UNLIMITED, BudgetCheck, check_budget, expected_completion
 from fusion_graph.routing.score import Leg, RouteDecision
-from fusion_graph.sizing.tokens import approximate_tokens
+from fusion_graph.sizing.turn import approximate_tokens
 
 if TYPE_CHECKING:
     from mcp.client.session import ClientSession
@@ -72,60 +68,6 @@ MCP_EXTRA_HINT = "MCP sampling needs the mcp SDK: pip install 'fusion-graph[mcp]
 OUTSIDE_THREAD = "mcp-sampling"
 #: How many records a callback keeps by default (the oldest go first).
 DEFAULT_MAX_RECORDS = 1000
-
-
-# -- the scope the tools node opens around each tool call ----------------------------------------
-
-
-@dataclass
-class SamplingScope:
-    """The tool call a sampling request belongs to, and the records collected for its thread.
-
-    Attributes:
-        turn: The run's turn (``State.turn``) when the tool was called.
-        step: The inference that asked for the call (``State.step``).
-        thread_id: The run's ``configurable.thread_id``.
-        context: The run's context (mode, ``cloud_share``, completion budget).
-        route_log: The thread's route log when the tool was called (its cloud spend so far).
-        records: Records of the sampling requests answered during the call, for ``route_log``.
-    """
-
-    turn: int
-    step: int
-    thread_id: str
-    context: FusionContext | None = None
-    route_log: Sequence[RouteRecord] = ()
-    records: list[RouteRecord] = field(default_factory=list)
-
-
-_SAMPLING_SCOPE: ContextVar[SamplingScope | None] = ContextVar("fusion_sampling_scope", default=None)
-
-
-@contextmanager
-def sampling_scope(
-    *,
-    turn: int,
-    step: int,
-    thread_id: str,
-    context: FusionContext | None,
-    route_log: Sequence[RouteRecord] = (),
-) -> Iterator[SamplingScope]:
-    """Collect the sampling records of whatever runs inside (a tool call); yields the scope.
-
-    Tasks started inside (an MCP session's receive loop) inherit the scope; the
-    records list is shared, so what they append is read here after the call.
-    """
-    scope = SamplingScope(turn=turn, step=step, thread_id=thread_id, context=context, route_log=route_log)
-    token = _SAMPLING_SCOPE.set(scope)
-    try:
-        yield scope
-    finally:
-        _SAMPLING_SCOPE.reset(token)
-
-
-def current_scope() -> SamplingScope | None:
-    """The scope of the tool call running now, if any."""
-    return _SAMPLING_SCOPE.get()
 
 
 # -- which leg --------------------------------------------------------------------------------

@@ -16,14 +16,18 @@ from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, SystemMe
 from langchain_core.tools import BaseTool
 
 from fusion_graph.context import FusionContext
-from fusion_graph.routing.budget import StepPrice, check_budget, cloud_budget, expected_completion
+from fusion_graph.nodes.tools import batch_notice
 from fusion_graph.routing.records import RouteRecord, StepKind, make_record
+from fusion_graph.routing.rule import (
+    StepPrice,
+    check_budget,
+    cloud_budget,
+    conversation_budget,
+    expected_completion,
+)
 from fusion_graph.routing.score import Leg, RouteDecision, StepSignals
-from fusion_graph.sizing.fit import conversation_budget
-from fusion_graph.sizing.tokens import TokenCounter, approximate_tokens
-from fusion_graph.sizing.turn import next_route, step_tally, turn_start
+from fusion_graph.sizing.turn import TokenCounter, approximate_tokens, next_route, step_tally, turn_start
 from fusion_graph.state import State, StepTally
-from fusion_graph.tools.batch import batch_notice
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Ask the local model each recorded step, through the graph's own ``ask``, and write a label per step.
 
-Every question goes through ``providers.ask`` on the local leg alone, so the
+Every question goes through ``providers.chain`` on the local leg alone, so the
 slot a trajectory is pinned to, the completion budget, the request timeout,
 fallover and health are the graph's: each trajectory is one thread (its steps
 asked in order on one slot, so llama-server reuses the growing prefix) and at
@@ -24,15 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusion_graph.errors import ChainExhausted, FusionError, ProviderRequestError, UsageError
-from fusion_graph.providers.ask import Ask, Bounds, ask
-from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.links import ChainLink
+from fusion_graph.providers.chain import Ask, Bounds, ProviderChain, ask
+from fusion_graph.providers.models import Provider
 from fusion_graph.providers.placement import Placer
 from fusion_graph.redact import scrub
 from fusion_graph.replay.labels import StepToLabel, label_line
 from fusion_graph.routing.records import same_action
+from fusion_graph.routing.rule import LinkRoom, completion_budget, fits
 from fusion_graph.routing.score import RouteDecision
-from fusion_graph.sizing.fit import LinkRoom, completion_budget, fits
 
 #: The completion budget of each question: room for a tool call or a short reply, not an essay.
 DEFAULT_MAX_TOKENS = 512
@@ -93,7 +92,7 @@ async def label_step(
     Raises:
         LocalUnavailable: The local server cannot be reached, or is cooling down.
     """
-    links: Sequence[ChainLink] = chain.links
+    links: Sequence[Provider] = chain.links
     room = LinkRoom(links[0].id, "local", window, item.signals.prompt_tokens) if links else None
     if room is not None and not fits(room, max_tokens):
         budget = completion_budget(max_tokens, window)

@@ -33,7 +33,7 @@ from fusion_graph.replay.history import route_history, split_system
 from fusion_graph.replay.traces import RecordedTrajectory
 from fusion_graph.routing.records import RouteRecord, action
 from fusion_graph.routing.score import StepScore, StepSignals, TroubleSignals, score_step
-from fusion_graph.sizing.tokens import build_prompt
+from fusion_graph.sizing.turn import build_prompt
 
 ToolSource = Literal["recorded", "inferred"]
 """Which tools a step is asked with: the record's own schemas, or those, else ones inferred from its calls."""

@@ -42,7 +42,7 @@ from fusion_graph.errors import TraceError
 from fusion_graph.providers.llama_server import ChatLlamaServer, timings_of
 from fusion_graph.replay.history import split_system
 from fusion_graph.replay.traces import RecordedTrajectory
-from fusion_graph.sizing.tokens import approximate_tokens, tool_tokens
+from fusion_graph.sizing.turn import approximate_tokens, tool_tokens
 
 #: What a model says when the graph asks for more answers than the recorded turn has (a repair, or a
 #: step past the recording): a plain reply, so the turn ends instead of the run failing.

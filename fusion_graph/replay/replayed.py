@@ -1,7 +1,7 @@
 """Recorded trajectories routed with the graph's own routing, and what each step costs.
 
 Replays run ``history.route_history`` (no model calls). Token counts are
-estimates (``sizing.tokens.approximate_tokens``): a step's prompt is what it
+estimates (``sizing.turn.approximate_tokens``): a step's prompt is what it
 would send, its completion the recorded assistant message; costs price those
 estimates with no cached tokens. ``None`` stands for a cost whose cloud price is
 unknown, and stays ``None`` through every sum (``add_cost``).
@@ -16,8 +16,8 @@ from fusion_graph.context import FusionContext
 from fusion_graph.providers.pricing import TokenPrices
 from fusion_graph.replay.history import ReplayedStep, route_history
 from fusion_graph.replay.traces import RecordedTrajectory, StepPrices
-from fusion_graph.routing.budget import CloudBudget, cloud_budget
-from fusion_graph.sizing.tokens import approximate_tokens
+from fusion_graph.routing.rule import CloudBudget, cloud_budget
+from fusion_graph.sizing.turn import approximate_tokens
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The graph re-writes a turn's closing reply on cloud when the local leg wrote it
 (``nodes.synthesis``); a replay has no such call, so this counts what there
-would be, by the graph's budget rule (``routing.budget.over_budget``).
+would be, by the graph's budget rule (``routing.rule.over_budget``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from langchain_core.messages import AIMessage
 from fusion_graph.context import FusionContext
 from fusion_graph.replay.replayed import ReplayedTrajectory, add_cost, cost_at, replay_budget
 from fusion_graph.replay.traces import StepPrices
-from fusion_graph.routing.budget import CloudSpend, over_budget
+from fusion_graph.routing.rule import CloudSpend, over_budget
 
 #: Tokens of the re-synthesis instruction (``prompts.RESYNTHESIZE``) added to the reply's prompt, roughly.
 RESYNTHESIS_PROMPT_TOKENS = 30

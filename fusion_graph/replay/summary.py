@@ -13,7 +13,7 @@ from typing import Any
 from fusion_graph.replay.replayed import ReplayedTrajectory, add_cost, cost_at, replay_budget
 from fusion_graph.replay.resynthesis import RESYNTHESIS_PROMPT_TOKENS, ResynthesisCount, resynthesis_count
 from fusion_graph.replay.traces import StepPrices
-from fusion_graph.routing.budget import CloudBudget
+from fusion_graph.routing.rule import CloudBudget
 from fusion_graph.routing.score import RouteDecision, StepSignals, TroubleSignals
 
 

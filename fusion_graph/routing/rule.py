@@ -13,7 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
+from typing import Any
 
+from fusion_graph.errors import ContextError
+from fusion_graph.routing.records import RouteRecord, money
 from fusion_graph.routing.score import (
     DEFAULT_CLOUD_SHARE,
     DEFAULT_HYSTERESIS,
@@ -338,3 +341,323 @@ def decide_leg(
         weights=trouble_weights,
     )
     return _paced(decision, pace, cloud_share)
+
+
+#: A link's completion budget is at most this share of its window, so a small window still
+#: holds a prompt (a 2,048-token slot with the default 4,096 budget reserves 1,024).
+MAX_BUDGET_SHARE = 0.5
+
+
+#: Context budget of the score when the local window is unknown (not llama-server, no setting).
+FALLBACK_CONVERSATION_TOKENS = 32_768
+
+
+#: Compaction frees this share of the target window's usable part beyond what the step needs, so
+#: the steps after it fit without compacting again (each compaction breaks every cached prefix).
+COMPACTION_HEADROOM = 0.25
+
+
+@dataclass(frozen=True)
+class LinkRoom:
+    """One link as the fit rule sees it.
+
+    Attributes:
+        id: The provider id.
+        leg: The link's leg.
+        window: Tokens the link holds per request (prompt + completion); ``None``: unknown,
+            assumed to fit.
+        prompt_tokens: The step's estimated prompt on this link (its leg's estimate).
+    """
+
+    id: str
+    leg: Leg
+    window: int | None
+    prompt_tokens: int
+
+
+def completion_budget(max_completion_tokens: int, window: int | None) -> int:
+    """Tokens reserved for the answer on a link: ``max_completion_tokens``, at most half the window."""
+    if window is None:
+        return max_completion_tokens
+    return max(1, min(max_completion_tokens, int(window * MAX_BUDGET_SHARE)))
+
+
+def fits(room: LinkRoom, max_completion_tokens: int) -> bool:
+    """Whether the step's prompt plus the link's completion budget fits its window."""
+    if room.window is None:
+        return True
+    return room.prompt_tokens + completion_budget(max_completion_tokens, room.window) <= room.window
+
+
+def usable_window(window: int, max_completion_tokens: int) -> int:
+    """What a window leaves for the prompt once the completion budget is reserved."""
+    return window - completion_budget(max_completion_tokens, window)
+
+
+def conversation_budget(
+    conversation_max_tokens: int | None, local_window: int | None, max_completion_tokens: int
+) -> int:
+    """The score's context budget: an explicit value, else the local window's usable part.
+
+    Context pressure then means "how full the local window is": it reaches 1
+    exactly when the step no longer fits llama-server's slot.
+
+    Raises:
+        ValueError: An explicit value larger than the usable local window (pressure
+            could never reach 1 before llama-server overflows); the message names the fix.
+    """
+    if local_window is None:
+        return conversation_max_tokens or FALLBACK_CONVERSATION_TOKENS
+    usable = usable_window(local_window, max_completion_tokens)
+    if conversation_max_tokens is None:
+        return max(usable, 1)
+    if conversation_max_tokens > usable:
+        budget = completion_budget(max_completion_tokens, local_window)
+        raise ContextError(
+            f"conversation_max_tokens {conversation_max_tokens:,} is more than the local window holds "
+            f"for a prompt: {local_window:,} - completion budget {budget:,} = {usable:,} tokens; lower "
+            "it, leave it empty to use the window, or give llama-server a larger slot (-c / -np)"
+        )
+    return conversation_max_tokens
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """Where a step may go.
+
+    Attributes:
+        leg: The leg to start on: the routed leg, or the leg of the first link that fits.
+        allowed: Ids of the links that can hold the step, in chain order.
+        reason: Why the rule moved the step (``None`` when the routed leg fits).
+        compact: Tokens compaction must free for the largest window to hold the step, plus
+            ``COMPACTION_HEADROOM`` of its usable part for the steps after it (0 when some link fits).
+        target: The link compaction aims at (the largest known window), or ``None``.
+    """
+
+    leg: Leg
+    allowed: tuple[str, ...]
+    reason: str | None
+    compact: int = 0
+    target: str | None = None
+
+
+def _overflow(room: LinkRoom, max_completion_tokens: int) -> str:
+    budget = completion_budget(max_completion_tokens, room.window)
+    return f"prompt {room.prompt_tokens:,} + {budget:,} > {room.leg} window {room.window or 0:,}"
+
+
+def plan_fit(routed: Leg, rooms: Sequence[LinkRoom], max_completion_tokens: int) -> FitPlan:
+    """Apply the fit rule to a step routed to ``routed`` over the chain's links (in chain order).
+
+    The step keeps its leg when that leg's first link fits. Otherwise it starts
+    on the first link (chain order) that fits, and the reason says why; when
+    none fits, ``compact`` is what must be freed for the largest window.
+    """
+    allowed = tuple(room.id for room in rooms if fits(room, max_completion_tokens))
+    known = [room for room in rooms if room.window is not None]
+    if not known:
+        return FitPlan(routed, allowed, None)
+    own = [room for room in rooms if room.leg == routed]
+    if own and own[0].id in allowed:
+        return FitPlan(routed, allowed, None)
+    if allowed:
+        chosen = next(room for room in rooms if room.id == allowed[0])
+        if not own:
+            return FitPlan(chosen.leg, allowed, None)
+        verb = "escalated to" if chosen.leg == "cloud" else "moved to"
+        return FitPlan(
+            chosen.leg, allowed, f"{_overflow(own[0], max_completion_tokens)}: {verb} {chosen.leg}"
+        )
+    largest = max(known, key=lambda room: room.window or 0)
+    window = largest.window or 0
+    need = largest.prompt_tokens + completion_budget(max_completion_tokens, window) - window
+    need += int(COMPACTION_HEADROOM * usable_window(window, max_completion_tokens))
+    reason = f"{_overflow(largest, max_completion_tokens)} (the largest window): compacted"
+    return FitPlan(largest.leg, (), reason, compact=need, target=largest.id)
+
+
+@dataclass(frozen=True)
+class CloudBudget:
+    """USD a turn and a thread may spend on cloud (``None``: no limit)."""
+
+    turn_usd: float | None = None
+    thread_usd: float | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether either budget is set (the router only then prices a step)."""
+        return self.turn_usd is not None or self.thread_usd is not None
+
+
+def _lower(ceiling: float | None, asked: float | None) -> float | None:
+    if ceiling is None:
+        return asked
+    return ceiling if asked is None else min(ceiling, asked)
+
+
+def cloud_budget(
+    *,
+    operator_turn: float | None,
+    operator_thread: float | None,
+    run_turn: float | None,
+    run_thread: float | None,
+) -> CloudBudget:
+    """The budget a run gets: its own, never above the operator's ceiling (a run may only lower it)."""
+    return CloudBudget(_lower(operator_turn, run_turn), _lower(operator_thread, run_thread))
+
+
+@dataclass(frozen=True)
+class CloudSpend:
+    """USD spent on cloud so far: in the turn in progress and in the whole thread."""
+
+    turn_usd: float = 0.0
+    thread_usd: float = 0.0
+
+
+def cloud_spend(route_log: Sequence[RouteRecord], turn: int) -> CloudSpend:
+    """What the cloud leg answered so far, by the records' own prices (unpriced records count 0).
+
+    ``leg`` is the leg that answered, so a local step that fell over to cloud
+    counts, and a cloud step that fell over to local does not.
+    """
+    thread = turn_total = 0.0
+    for record in route_log:
+        if record["leg"] != "cloud" or not record["cost_usd"]:
+            continue
+        thread += record["cost_usd"]
+        if record["turn"] == turn:
+            turn_total += record["cost_usd"]
+    return CloudSpend(turn_total, thread)
+
+
+def over_budget(budget: CloudBudget, spend: CloudSpend, step_usd: float | None) -> str | None:
+    """Why a cloud step costing ``step_usd`` is not affordable, or ``None`` when it is.
+
+    An unknown price (``None``) is never assumed to fit a set budget: the router
+    cannot keep a budget it cannot price.
+    """
+    if not budget.limited:
+        return None
+    for name, limit, spent in (
+        ("turn", budget.turn_usd, spend.turn_usd),
+        ("thread", budget.thread_usd, spend.thread_usd),
+    ):
+        if limit is None:
+            continue
+        if step_usd is None:
+            return f"{name} budget {money(limit)}: the cloud price is unknown (set price_overrides)"
+        if spent + step_usd > limit:
+            return f"{name} budget {money(limit)}: {money(spent)} spent, step ~{money(step_usd)}"
+    return None
+
+
+#: Fewest completion tokens a cloud inference is priced at, whatever the thread's steps spent.
+COMPLETION_FLOOR = 256
+
+
+#: How many of the thread's latest answered inferences the expected completion is the mean of.
+RECENT_COMPLETIONS = 8
+
+
+def expected_completion(route_log: Sequence[RouteRecord], *, ceiling: int) -> int:
+    """What the next inference will likely write: the mean of the thread's recent completions.
+
+    At least ``COMPLETION_FLOOR``, at most ``ceiling`` (the completion budget):
+    pricing every step at its whole budget made a budget bite several times
+    harder than its face value; the call itself is capped at what the budget
+    can still pay (``BudgetCheck.max_tokens``), so nothing is spent past it.
+    """
+    done = [
+        int(record["completion_tokens"])
+        for record in route_log[-4 * RECENT_COMPLETIONS :]
+        if record["completion_tokens"]
+    ][-RECENT_COMPLETIONS:]
+    typical = -(-sum(done) // len(done)) if done else COMPLETION_FLOOR
+    return max(1, min(ceiling, max(COMPLETION_FLOOR, typical)))
+
+
+@dataclass(frozen=True)
+class StepPrice:
+    """What a cloud inference would cost: its prompt (cached input at its rate), and each output token."""
+
+    prompt_usd: float | None
+    token_usd: float | None
+
+    def cost(self, completion: int) -> float | None:
+        """The inference's cost with ``completion`` output tokens (``None``: a price is unknown)."""
+        if self.prompt_usd is None or self.token_usd is None:
+            return None
+        return self.prompt_usd + completion * self.token_usd
+
+
+@dataclass(frozen=True)
+class BudgetCheck:
+    """What the cloud budget says of one inference before it is made.
+
+    Attributes:
+        limited: Whether a budget applies at all (none set: nothing is priced).
+        step_usd: The inference's estimated cost on cloud (``None``: unknown, or not priced).
+        over: Why cloud may not make it (``None``: it may).
+        max_tokens: The completion cap that keeps the call within what the budget can still pay
+            (``None``: no cap from the budget).
+    """
+
+    limited: bool = False
+    step_usd: float | None = None
+    over: str | None = None
+    max_tokens: int | None = None
+
+    def guard(self, decision: RouteDecision) -> RouteDecision:
+        """``decision`` moved local when it chose cloud and cloud is over (reason and ``budget`` say why)."""
+        if decision.leg != "cloud" or self.over is None:
+            return decision
+        reason = f"{decision.reason}; {self.over}: local"
+        return replace(decision, leg="local", reason=reason, budget=self.over)
+
+    def extra(self) -> dict[str, Any]:
+        """What a record keeps of the check: the step's cloud price, the cap and, when over, why."""
+        if not self.limited:
+            return {}
+        kept: dict[str, Any] = {"cloud_step_usd": self.step_usd}
+        if self.max_tokens is not None:
+            kept["cloud_max_tokens"] = self.max_tokens
+        return kept | ({"cloud_budget": self.over} if self.over else {})
+
+
+#: No budget set: nothing priced, nothing refused.
+UNLIMITED = BudgetCheck()
+
+
+def check_budget(
+    budget: CloudBudget,
+    route_log: Sequence[RouteRecord],
+    turn: int,
+    price: StepPrice,
+    *,
+    expected: int,
+    ceiling: int,
+) -> BudgetCheck:
+    """The one budget guard: may an inference of ``turn`` run on cloud, and how long may it write?
+
+    It is priced at its prompt plus ``expected`` completion tokens
+    (``expected_completion``) against both spends; when that fits, the call's
+    completion is capped at what the tighter budget still pays (at most
+    ``ceiling``), so a budget spends up to its face value and never past it.
+    The route, plan, repair, re-synthesis, MCP sampling and replay all ask it;
+    ``BudgetCheck.guard`` then moves a cloud decision local, and the executors
+    keep the chain's fallover off cloud past it.
+    """
+    if not budget.limited:
+        return UNLIMITED
+    spend = cloud_spend(route_log, turn)
+    step_usd = price.cost(expected)
+    over = over_budget(budget, spend, step_usd)
+    if over is not None or price.prompt_usd is None or not price.token_usd:
+        return BudgetCheck(True, step_usd, over)
+    left = min(
+        limit - spent
+        for limit, spent in ((budget.turn_usd, spend.turn_usd), (budget.thread_usd, spend.thread_usd))
+        if limit is not None
+    )
+    affordable = int((left - price.prompt_usd) / price.token_usd)
+    return BudgetCheck(True, step_usd, None, max(expected, min(ceiling, affordable)))

@@ -14,9 +14,10 @@ every score is the four-term rule's. The leg decision over the score is
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Leg = Literal["local", "cloud"]
 Mode = Literal["cloud", "local", "fusion"]
@@ -281,3 +282,8 @@ def score_band(score: float | None) -> str:
         return "-"
     low = min(int(score) // BAND_POINTS * BAND_POINTS, 100 - BAND_POINTS)
     return f"{low}-{low + BAND_POINTS - 1 if low + BAND_POINTS < 100 else 100}"
+
+
+def call_key(name: str, args: Mapping[str, Any] | Any) -> str:
+    """Identity of a call: name plus canonical JSON arguments (the loop detector's and no-progress's)."""
+    return f"{name}:{json.dumps(args, sort_keys=True, default=str)}"

@@ -18,7 +18,7 @@ over its new messages, so its cost does not grow with the turn.
   two steps in a row 0.75, two in one batch 1.0, and an error followed by a
   success 0.25. The sum is clipped to 1.
 - **No progress** (0-1): the share of the last ``NO_PROGRESS_WINDOW`` tool calls
-  of the turn whose name and canonical arguments (``call_key``) were already
+  of the turn whose name and canonical arguments (``score.call_key``) were already
   requested earlier in the turn. Counting inputs already seen, not runs of
   identical calls, catches cycles of any length: ``A B A B`` is 0.5 after two
   laps, and an 8-step cycle fills the window with repeats after its second lap.
@@ -34,15 +34,16 @@ one only leaves the seed's score to decide.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
-from typing import Any, Literal
+from typing import Literal
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+
+from fusion_graph.routing.score import call_key
 
 ResultKind = Literal["ok", "error", "pass"]
 """A tool result: an error, a passing test run, or any other (successful) result."""
@@ -85,11 +86,6 @@ PASS_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     # go test: "ok  example.com/pkg  0.012s", or "PASS" on its own line.
     ("go ok", re.compile(r"^(?:ok\s+\S+\s+[\d.]+s\b|PASS$)", re.MULTILINE)),
 )
-
-
-def call_key(name: str, args: Mapping[str, Any] | Any) -> str:
-    """Identity of a call: name plus canonical JSON arguments (the loop detector's and no-progress's)."""
-    return f"{name}:{json.dumps(args, sort_keys=True, default=str)}"
 
 
 @lru_cache(maxsize=1024)

@@ -23,7 +23,7 @@ from typing import Any
 from langchain.agents.middleware.context_editing import ClearToolUsesEdit
 from langchain_core.messages import AnyMessage, BaseMessage, RemoveMessage, trim_messages
 
-from fusion_graph.sizing.tokens import TokenCounter
+from fusion_graph.sizing.turn import TokenCounter
 
 #: Tool outputs the first stage keeps whole (the most recent ones).
 KEEP_RECENT_OUTPUTS = 2

@@ -29,7 +29,7 @@ from fusion_graph.context import FusionContext
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.settings import FusionSettings
-from fusion_graph.sizing.tokens import CUT_KEY
+from fusion_graph.sizing.turn import CUT_KEY
 from fusion_graph_testing import LlamaServer, write_chat_template
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input

@@ -1,7 +1,7 @@
 """Module docstrings name only what exists: every dotted name in double backticks resolves.
 
 A module's docstring says which modules and functions hold the rest of its
-story (``providers.ask.ask``, ``memory.runs``); when code moves, the name in the
+story (``providers.chain.ask``, ``memory.runs``); when code moves, the name in the
 prose is the first thing to go stale. Each dotted name is looked up as written:
 in the package (``fusion_graph.`` + the name, also relative to the module's own
 package), or as another library's module path.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
-from fusion_graph.providers.health import classify
+from fusion_graph.providers.chain import classify
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 

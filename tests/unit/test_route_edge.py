@@ -15,7 +15,7 @@ from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, build_graph
-from fusion_graph.nodes.route import StepOrders
+from fusion_graph.nodes.step import StepOrders
 from tests.plugins.fakes import ai_calls, call, scripted, user_input
 
 

@@ -35,8 +35,7 @@ from fusion_graph.errors import ChainExhausted, ProviderRequestError
 from fusion_graph.memory.job_call import JobRunner, dropped_record, run_job
 from fusion_graph.providers import ProviderResolver
 from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.links import ChainLink
-from fusion_graph.providers.models import build_cloud_model
+from fusion_graph.providers.models import Provider, build_cloud_model
 from fusion_graph.providers.placement import FixedPlacement
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.redact import REDACTED, scrub
@@ -266,10 +265,10 @@ async def test_a_cloud_failure_in_route_log_leaves_no_key_anywhere(
 # --------------------------------------------------------------------------- the chain alone
 
 
-def holding(provider_id: str, key: str) -> ChainLink:
+def holding(provider_id: str, key: str) -> Provider:
     """A cloud link whose model holds ``key`` (the tests' ``invoke`` never calls it)."""
     model = ChatOpenAI(model="gpt-4o-mini", api_key=key, base_url="http://127.0.0.1:9/v1")
-    return ChainLink(provider_id, "cloud", model, Pricing.flat(FREE))
+    return Provider(provider_id, "cloud", model, Pricing.flat(FREE))
 
 
 def echoed(key: str) -> openai.AuthenticationError:
@@ -293,11 +292,11 @@ def test_a_chain_link_registers_the_key_its_model_holds() -> None:
 
 async def test_the_note_on_a_reraised_error_lists_scrubbed_attempts() -> None:
     key = gateway_key()
-    local = ChainLink(LOCAL_ID, "local", GenericFakeChatModel(messages=iter([])), Pricing.flat(FREE))
+    local = Provider(LOCAL_ID, "local", GenericFakeChatModel(messages=iter([])), Pricing.flat(FREE))
     chain = ProviderChain([holding(CLOUD_ID, key), local])
     refused = openai.BadRequestError("context too long", response=response(400), body=None)
 
-    async def invoke(link: ChainLink) -> AIMessage:
+    async def invoke(link: Provider) -> AIMessage:
         raise echoed(key) if link.leg == "cloud" else refused
 
     with pytest.raises(ProviderRequestError) as raised:
@@ -315,7 +314,7 @@ async def test_chain_exhausted_chains_no_provider_error() -> None:
     key = gateway_key()
     chain = ProviderChain([holding(CLOUD_ID, key)])
 
-    async def invoke(link: ChainLink) -> AIMessage:
+    async def invoke(link: Provider) -> AIMessage:
         raise echoed(key)
 
     with pytest.raises(ChainExhausted) as raised:
@@ -340,7 +339,7 @@ async def test_a_dropped_memory_job_says_why_without_the_key(caplog: pytest.LogC
     key = gateway_key()
     holding("cloud:registers", key)
     buggy = Buggy(messages=iter([]), detail=key)
-    chain = ProviderChain([ChainLink(LOCAL_ID, "local", buggy, Pricing.flat(FREE))])
+    chain = ProviderChain([Provider(LOCAL_ID, "local", buggy, Pricing.flat(FREE))])
 
     job = memory.DEFAULT_JOBS[0]
     runner = JobRunner(

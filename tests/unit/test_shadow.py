@@ -167,13 +167,13 @@ async def test_report_shows_agreement_by_score_band(tmp_path: Any) -> None:
 async def test_a_finished_shadow_of_a_step_that_did_not_answer_locally_is_forgotten() -> None:
     from fusion_graph.nodes.shadow import ShadowChecks
     from fusion_graph.providers.chain import ProviderChain
-    from fusion_graph.providers.links import ChainLink
+    from fusion_graph.providers.models import Provider
     from fusion_graph.providers.placement import FixedPlacement
     from fusion_graph.providers.pricing import FREE, Pricing
-    from fusion_graph.routing.budget import UNLIMITED
+    from fusion_graph.routing.rule import UNLIMITED
     from tests.plugins.fakes import ScriptedModel
 
-    cloud = ChainLink(
+    cloud = Provider(
         "cloud:c", "cloud", ScriptedModel(messages=iter([AIMessage("cloud")])), Pricing.flat(FREE)
     )
     checks = ShadowChecks()
@@ -191,10 +191,10 @@ async def test_a_finished_shadow_of_a_step_that_did_not_answer_locally_is_forgot
         max_tokens=16,
     )
     assert started
-    [pending] = checks._pending["t"]
+    [pending] = checks.pending["t"]
     await pending.task  # the cloud answered before the step's own outcome was known
     checks.answered("t", 0, 1, None)  # the step fell over: nothing to compare it with
-    assert checks.fold("t") == [] and not checks._pending.get("t")
+    assert checks.fold("t") == [] and not checks.pending.get("t")
 
 
 @pytest.mark.parametrize("how", ["ainvoke", "messages"])

@@ -71,5 +71,5 @@ async def test_a_continuation_step_runs_code_in_at_most_the_ceiling_of_package_m
         threading.setprofile(None)
         active.metrics, active.traces = kept
     step = WINDOWS[2]  # between the second model call (a step) and the third
-    assert "nodes/executors.py" in step and "routing/score.py" in step, sorted(step)
+    assert "nodes/step.py" in step and "routing/score.py" in step, sorted(step)
     assert len(step) <= CEILING, f"a continuation step runs code in {len(step)} modules: {sorted(step)}"

@@ -19,14 +19,13 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
+from fusion_graph.nodes.tools import call_key, prior_call_counts
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.routing.records import RouteRecord, StepKind, make_record
 from fusion_graph.routing.rule import Pace
 from fusion_graph.routing.score import Leg, RouteDecision
-from fusion_graph.sizing.tokens import approximate_tokens, message_tokens
-from fusion_graph.sizing.turn import pace_of, step_tally, turn_start
+from fusion_graph.sizing.turn import approximate_tokens, message_tokens, pace_of, step_tally, turn_start
 from fusion_graph.state import State, StepTally
-from fusion_graph.tools.batch import call_key, prior_call_counts
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 

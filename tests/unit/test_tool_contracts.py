@@ -340,7 +340,7 @@ async def test_runs_on_one_thread_queue_instead_of_forking_its_history() -> None
 async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import fusion_graph.nodes.route as route_module
+    import fusion_graph.nodes.step as route_module
 
     decided: list[int] = []
     real = route_module.next_route  # type: ignore[attr-defined]
@@ -382,9 +382,14 @@ def test_a_sampling_tool_s_own_command_update_is_kept_beside_its_records() -> No
 
 
 def test_the_executors_and_the_middleware_decide_no_step_themselves() -> None:
-    """Every step is decided by ``nodes.route.decide_step``: the rule is called from one module."""
-    import fusion_graph.middleware.fusion_routing as middleware_module
-    import fusion_graph.nodes.executors as inference_module
+    """Every step is decided by ``nodes.step.decide_step``: the executors and the middleware only carry it out."""
+    import inspect
 
-    assert not hasattr(inference_module, "next_route") and not hasattr(middleware_module, "next_route")
-    assert not hasattr(inference_module, "check_budget") and not hasattr(middleware_module, "check_budget")
+    import fusion_graph.middleware.fusion_routing as middleware_module
+    import fusion_graph.nodes.step as step_module
+
+    deciding = {"next_route", "check_budget"}
+    for name, method in inspect.getmembers(step_module.InferenceNodes, inspect.isfunction):
+        assert not deciding & set(method.__code__.co_names), f"InferenceNodes.{name} decides a step itself"
+    assert not hasattr(middleware_module, "next_route") and not hasattr(middleware_module, "check_budget")
+    assert "next_route" in step_module.decide_step.__code__.co_names

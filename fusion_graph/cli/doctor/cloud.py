@@ -1,7 +1,7 @@
 """Doctor's cloud rows: the key (named by its variable, never shown), the endpoint, the model's price.
 
 The endpoint is asked ``GET /models`` with the key; ``--live`` adds a one-token
-completion, made as the graph makes every inference (``providers.ask``), and reads
+completion, made as the graph makes every inference (``providers.chain``), and reads
 the failed attempt's class and text for the cause. A URL that answers with
 something other than JSON (an HTML page) is not an OpenAI-compatible API, and says so.
 """
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import httpx
 
     from fusion_graph.context import FusionContext
-    from fusion_graph.providers.ask import Asked
+    from fusion_graph.providers.chain import Asked
     from fusion_graph.settings import FusionSettings
 
 #: The fix of a row whose endpoint is not an OpenAI-compatible API (it answered HTML, or no completion).
@@ -160,7 +160,7 @@ def cloud_key_check(settings: FusionSettings, found: FoundKey | None, *, local_o
 
 def not_an_api(name: str, method: str, url: str, base: str, response: httpx.Response) -> Check:
     """The row for a URL that answered with something other than JSON: not an OpenAI-compatible API."""
-    from fusion_graph.providers.health import what_answered
+    from fusion_graph.providers.chain import what_answered
 
     return Check(
         name,
@@ -236,7 +236,7 @@ def _listed_models(settings: FusionSettings, url: str, code: int, response: http
 _STATUS = re.compile(r"Error code: (\d{3})")
 #: The one leg ``--live`` asks (a ``cross_leg_fallover`` chain would go on to the local one).
 CLOUD_ONLY: tuple[Leg, ...] = ("cloud",)
-#: What ``providers.health.error_text`` adds to a status error whose body was an HTML page: a site.
+#: What ``providers.chain.error_text`` adds to a status error whose body was an HTML page: a site.
 _HTML_PAGE = "answered an HTML page"
 
 
@@ -251,7 +251,7 @@ def live_completion(settings: FusionSettings, timeout: float) -> Asked | Attempt
 
     from fusion_graph.context import FusionContext
     from fusion_graph.errors import ProviderRequestError
-    from fusion_graph.providers.ask import Ask, Bounds, ask
+    from fusion_graph.providers.chain import Ask, Bounds, ask
     from fusion_graph.providers.resolver import ProviderResolver
     from fusion_graph.routing.score import RouteDecision
 

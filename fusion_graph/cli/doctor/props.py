@@ -93,7 +93,7 @@ def window_check(
         prompt_tokens: The graph's first prompt (``checks.first_prompt_tokens``); 0: not checked.
     """
     from fusion_graph.providers.llama_server import slot_window_for, start_command
-    from fusion_graph.sizing.fit import completion_budget
+    from fusion_graph.routing.rule import completion_budget
 
     name, window, configured = "slot window", props.slot_window, settings.local_window_tokens
     lower = "or lower max_completion_tokens (FUSION_MAX_COMPLETION_TOKENS, or the run's context)"

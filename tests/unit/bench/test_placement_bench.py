@@ -6,21 +6,20 @@ import pytest
 
 from bench.placement import table, timed
 from fusion_graph.coordination.slot_leases import LocalLeases
-from fusion_graph.providers.links import ChainLink
-from fusion_graph.providers.models import build_local_model
+from fusion_graph.providers.models import Provider, build_local_model
 from fusion_graph.providers.placement import LeasedPlacement, ServerSlots
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.settings import FusionSettings
 
 
-async def _no_props(link: ChainLink) -> None:
+async def _no_props(link: Provider) -> None:
     return None
 
 
 @pytest.mark.asyncio
 async def test_each_thread_keeps_its_slot_while_it_is_timed() -> None:
     settings = FusionSettings(local_slots=5, local_base_url="http://127.0.0.1:9/v1")
-    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+    link = Provider("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
     placer = LeasedPlacement(LocalLeases(), ServerSlots(settings, _no_props), boxes=(), box_model=None)
 
     result = await timed(placer, link, [f"t{i}" for i in range(4)], steps=3)

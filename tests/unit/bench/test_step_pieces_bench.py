@@ -7,13 +7,13 @@ import json
 import pytest
 
 from bench import step_pieces
-from fusion_graph.nodes import executors, route, tools
+from fusion_graph.nodes import step, tools
 
 
 def timed_names() -> tuple[object, ...]:
     """What the bench patches while it runs."""
-    names = vars(executors)
-    return route.RouteNode.decide, names["decide_step"], names["ask"], tools.wrap_tool_call
+    names = vars(step)
+    return step.RouteNode.decide, names["decide_step"], names["ask"], tools.wrap_tool_call
 
 
 def test_every_piece_is_timed_and_the_rest_adds_up(capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,8 +26,8 @@ from fusion_graph.providers.llama_server import (
     slot_window_for,
     start_command,
 )
+from fusion_graph.routing.rule import LinkRoom, fits
 from fusion_graph.settings import FusionSettings
-from fusion_graph.sizing.fit import LinkRoom, fits
 from fusion_graph_testing import free_port
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.unit.cli.test_traces import runner

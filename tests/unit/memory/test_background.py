@@ -33,7 +33,7 @@ from fusion_graph.memory.job_log import (
 from fusion_graph.memory.jobs import JobTicket, TicketFields
 from fusion_graph.prompts import SYSTEM_PROMPT
 from fusion_graph.routing.records import RouteRecord
-from fusion_graph.sizing.tokens import build_prompt
+from fusion_graph.sizing.turn import build_prompt
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 
 NS = memory.namespace("fusion", "anonymous")

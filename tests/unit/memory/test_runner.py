@@ -28,7 +28,7 @@ from fusion_graph.memory.jobs import MEMORY_MESSAGE_NAME
 from fusion_graph.prompts import SYSTEM_PROMPT
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.settings import FusionSettings
-from fusion_graph.sizing.tokens import build_prompt
+from fusion_graph.sizing.turn import build_prompt
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 

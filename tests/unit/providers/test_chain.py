@@ -18,10 +18,8 @@ from langchain_core.outputs import ChatResult
 from langchain_openai import ChatOpenAI
 
 from fusion_graph.errors import ChainExhausted, ProviderRequestError
-from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.health import HealthPolicy, RetryPolicy
-from fusion_graph.providers.links import ChainLink, close_chat_model, owned_clients
-from fusion_graph.providers.models import Provider
+from fusion_graph.providers.chain import HealthPolicy, ProviderChain, RetryPolicy
+from fusion_graph.providers.models import Provider, close_chat_model, owned_clients
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.routing.records import Attempt
 from fusion_graph.routing.score import Leg
@@ -73,9 +71,9 @@ def answers() -> Iterator[AIMessage]:
         yield AIMessage(content="ok")
 
 
-def link(provider_id: str, leg: Leg, pricing: Pricing | None = None) -> ChainLink:
+def link(provider_id: str, leg: Leg, pricing: Pricing | None = None) -> Provider:
     model = TearDownModel(messages=answers())
-    return ChainLink(provider_id, leg, model, pricing or Pricing.flat(FREE), close=tear_down)
+    return Provider(provider_id, leg, model, pricing or Pricing.flat(FREE), close=tear_down)
 
 
 class Script:
@@ -85,7 +83,7 @@ class Script:
         self.errors = {key.replace("_", ":"): list(value) for key, value in errors.items()}
         self.calls: list[str] = []
 
-    async def __call__(self, chosen: ChainLink) -> str:
+    async def __call__(self, chosen: Provider) -> str:
         self.calls.append(chosen.id)
         queue = self.errors.get(chosen.id, [])
         if queue:
@@ -164,7 +162,7 @@ async def test_latency_is_measured_with_the_injected_clock() -> None:
     clock = FakeClock()
     chain = make_chain("cloud:a", "local:b", clock=clock)
 
-    async def slow_local(chosen: ChainLink) -> str:
+    async def slow_local(chosen: Provider) -> str:
         clock.now += 2.0
         if chosen.leg == "local":
             raise refused()
@@ -269,7 +267,7 @@ async def test_only_one_probe_at_a_time() -> None:
     clock.now = 30.0
     gate = asyncio.Event()
 
-    async def blocked(chosen: ChainLink) -> str:
+    async def blocked(chosen: Provider) -> str:
         if chosen.id == "local:b":
             await gate.wait()
         return chosen.id
@@ -384,7 +382,7 @@ async def test_fits_is_asked_again_after_each_failure() -> None:
     chain = make_chain("local:b", "cloud:a", "cloud:z")
     script = Script(local_b=[llama_overflow()])
 
-    def fits(link: ChainLink) -> bool:  # after an overflow, only the larger window is tried
+    def fits(link: Provider) -> bool:  # after an overflow, only the larger window is tried
         return not overflowed or link.id == "cloud:z"
 
     outcome = await chain.call(
@@ -475,7 +473,7 @@ async def test_rate_limits_and_bad_requests_are_not_retried_in_place() -> None:
 # Lifecycle --------------------------------------------------------------------
 
 
-def torn(chain_link: ChainLink) -> tuple[int, bool]:
+def torn(chain_link: Provider) -> tuple[int, bool]:
     model: Any = chain_link.model
     return model.closes, model.torn_down
 
@@ -519,7 +517,7 @@ async def test_an_in_flight_call_keeps_its_provider_open() -> None:
     gate = asyncio.Event()
     local = chain.link("local:b")
 
-    async def slow(chosen: ChainLink) -> str:
+    async def slow(chosen: Provider) -> str:
         await gate.wait()
         return str((await chosen.model.ainvoke("hi")).content)
 
@@ -587,18 +585,20 @@ async def test_default_closer_closes_private_clients_of_an_unhashable_timeout() 
     model = ChatOpenAI(model="gpt-4o-mini", api_key="x", base_url=URL, timeout=httpx2.Timeout(3.0))
     clients = owned_clients(model)
     assert clients == [model.root_async_client, model.root_client]
-    await ChainLink("cloud:x", "cloud", model, Pricing()).aclose()
+    await Provider("cloud:x", "cloud", model, Pricing()).aclose()
     assert model.root_async_client.is_closed() and model.root_client.is_closed()
 
 
-def test_from_provider_prices_by_leg() -> None:
+def test_a_provider_is_priced_by_its_leg_and_reads_its_base_url_once() -> None:
     cloud = ChatOpenAI(model="gpt-4o-mini", api_key="x")
     local = GenericFakeChatModel(messages=answers())
-    cloud_link = ChainLink.from_provider(Provider("cloud:gpt-4o-mini", "cloud", cloud))
-    local_link = ChainLink.from_provider(Provider("local:fake", "local", local))
+    cloud_link = Provider("cloud:gpt-4o-mini", "cloud", cloud)
+    local_link = Provider("local:fake", "local", local)
     assert cloud_link.pricing == Pricing.catalog("gpt-4o-mini")
     assert local_link.pricing == Pricing.flat(FREE)
-    assert cloud_link.as_provider() == Provider("cloud:gpt-4o-mini", "cloud", cloud)
+    served = Provider("local:served", "local", ChatOpenAI(model="q", api_key="x", base_url=URL))
+    assert (cloud_link.base_url, local_link.base_url, served.base_url) == (None, None, URL)
+    assert cloud_link != Provider("cloud:gpt-4o-mini", "cloud", cloud)  # a rebuilt provider is a new one
 
 
 # The real SDK against a loopback fake server ----------------------------------
@@ -617,11 +617,11 @@ async def test_real_chat_openai_errors_drive_the_chain() -> None:
                 model=model, api_key="x", base_url=server.base_url, timeout=timeout, max_retries=0
             )
 
-        cloud = ChainLink("cloud:gpt-4o-mini", "cloud", chat("gpt-4o-mini", cloud_server), Pricing())
-        local = ChainLink("local:qwen", "local", chat("qwen", local_server), Pricing.flat(FREE))
+        cloud = Provider("cloud:gpt-4o-mini", "cloud", chat("gpt-4o-mini", cloud_server), Pricing())
+        local = Provider("local:qwen", "local", chat("qwen", local_server), Pricing.flat(FREE))
         chain = ProviderChain([cloud, local], clock=clock, wall_clock=clock.wall)
 
-        async def invoke(chosen: ChainLink) -> Any:
+        async def invoke(chosen: Provider) -> Any:
             return await chosen.model.ainvoke("hi")
 
         outcome = await chain.call(invoke, preferred_leg="cloud")
@@ -635,7 +635,7 @@ async def test_real_chat_openai_errors_drive_the_chain() -> None:
             await chain.call(invoke, preferred_leg="cloud")
 
         cloud_server.script([Reply(delay=1.0)])
-        slow = ChainLink("cloud:slow", "cloud", chat("gpt-4o-mini", cloud_server, timeout=0.2), Pricing())
+        slow = Provider("cloud:slow", "cloud", chat("gpt-4o-mini", cloud_server, timeout=0.2), Pricing())
         await chain.replace([slow, local])
         outcome = await chain.call(invoke, preferred_leg="cloud")
         assert [(a.error, a.kind) for a in outcome.attempts] == [("OpenAITimeoutError", "timeout")]
@@ -644,7 +644,7 @@ async def test_real_chat_openai_errors_drive_the_chain() -> None:
         probe.bind(("127.0.0.1", 0))
         closed_url = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
     refused_model = ChatOpenAI(model="qwen", api_key="x", base_url=closed_url, timeout=5.0, max_retries=0)
-    gone = ChainLink("local:gone", "local", refused_model, Pricing.flat(FREE))
+    gone = Provider("local:gone", "local", refused_model, Pricing.flat(FREE))
     chain = ProviderChain([gone])
     with pytest.raises(ChainExhausted) as raised:
         await chain.call(invoke)

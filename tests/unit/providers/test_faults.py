@@ -33,8 +33,8 @@ from fusion_graph import FusionContext, ProviderChain, build_graph
 from fusion_graph.errors import ChainExhausted
 from fusion_graph.prompts import MEMORY_MESSAGE_NAME
 from fusion_graph.providers import ProviderResolver
-from fusion_graph.providers.links import ChainLink, close_chat_model
 from fusion_graph.providers.llama_server import ChatLlamaServer
+from fusion_graph.providers.models import Provider, close_chat_model
 from fusion_graph.providers.pricing import Pricing, unit_prices
 from fusion_graph.settings import FusionSettings
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
@@ -546,12 +546,12 @@ async def test_costs_follow_the_provider_that_answered(
 # --------------------------------------------------------------------------- lifecycle
 
 
-def count_closes(links: Iterable[ChainLink]) -> Counter[str]:
+def count_closes(links: Iterable[Provider]) -> Counter[str]:
     """Count each link's teardowns (its ``close`` callable), not just its ``closed`` flag."""
     counts: Counter[str] = Counter()
     for link in links:
 
-        async def counted(model: BaseChatModel, link: ChainLink = link, close: Any = link.close) -> None:
+        async def counted(model: BaseChatModel, link: Provider = link, close: Any = link.close) -> None:
             counts[link.id] += 1
             await close(model)
 
@@ -559,7 +559,7 @@ def count_closes(links: Iterable[ChainLink]) -> Counter[str]:
     return counts
 
 
-def client_closed(link: ChainLink) -> bool:
+def client_closed(link: Provider) -> bool:
     """Whether the HTTP client a default-built model owns is closed."""
     model = link.model
     assert isinstance(model, ChatOpenAI) and isinstance(model.http_async_client, httpx.AsyncClient)
@@ -623,7 +623,7 @@ async def test_context_swap_keeps_the_local_provider_and_close_tears_down_each_o
         await close_chat_model(link.model)
     assert closes == Counter({link.id: 1 for link in links})
 
-    async def invoke(link: ChainLink) -> Any:
+    async def invoke(link: Provider) -> Any:
         return await link.model.ainvoke("hi")
 
     with pytest.raises(RuntimeError, match="closed"):

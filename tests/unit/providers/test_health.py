@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from fusion_graph.errors import LlamaServerUnavailable, MalformedAnswer
-from fusion_graph.providers.health import (
+from fusion_graph.providers.chain import (
     Health,
     HealthPolicy,
     classify,

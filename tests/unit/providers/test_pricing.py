@@ -13,7 +13,6 @@ from langchain_openai import ChatOpenAI
 
 from fusion_graph.context import FusionContext
 from fusion_graph.providers.chain import ProviderChain
-from fusion_graph.providers.links import ChainLink
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import (
     FREE,
@@ -155,8 +154,8 @@ def record(leg: Leg, provider: str | None, answer: AIMessage | None, step: int =
 
 
 def mixed_chain() -> ProviderChain:
-    cloud = ChainLink("cloud:gpt-4o-mini", "cloud", GenericFakeChatModel(messages=answers()), MINI)
-    local = ChainLink("local:qwen", "local", GenericFakeChatModel(messages=answers()), Pricing.flat(POWER))
+    cloud = Provider("cloud:gpt-4o-mini", "cloud", GenericFakeChatModel(messages=answers()), MINI)
+    local = Provider("local:qwen", "local", GenericFakeChatModel(messages=answers()), Pricing.flat(POWER))
     return ProviderChain([cloud, local])
 
 
@@ -164,7 +163,7 @@ async def test_a_local_step_costs_the_local_price_while_cloud_is_the_override() 
     chain = mixed_chain()
     chain.set_override("cloud:gpt-4o-mini")
 
-    async def invoke(chosen: ChainLink) -> AIMessage:
+    async def invoke(chosen: Provider) -> AIMessage:
         return usage(1000, 200, 50)
 
     outcome = await chain.call(invoke, preferred_leg="local")
@@ -177,7 +176,7 @@ async def test_a_local_step_costs_the_local_price_while_cloud_is_the_override() 
 async def test_a_fallover_is_priced_at_the_provider_that_answered() -> None:
     chain = mixed_chain()
 
-    async def invoke(chosen: ChainLink) -> AIMessage:
+    async def invoke(chosen: Provider) -> AIMessage:
         if chosen.leg == "local":
             raise ConnectionRefusedError("llama-server is down")
         return usage(1000, 0, 50)

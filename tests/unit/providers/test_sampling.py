@@ -51,7 +51,7 @@ from pydantic import Field
 from fusion_graph import build_graph
 from fusion_graph.context import FusionContext
 from fusion_graph.providers import ProviderResolver
-from fusion_graph.providers.ask import ROUTE_EVENT
+from fusion_graph.providers.chain import ROUTE_EVENT
 from fusion_graph.providers.llama_server import ChatLlamaServer
 from fusion_graph.providers.sampling import (
     OUTSIDE_THREAD,
@@ -364,7 +364,7 @@ async def test_mode_local_never_falls_over_to_cloud() -> None:
 )
 async def test_when_every_provider_fails_the_server_gets_an_error_without_the_key(make_key: Any) -> None:
     key = make_key()
-    register_secret(key)  # as ChainLink registers a model's own key
+    register_secret(key)  # as Provider registers a model's own key
     server_error = openai.InternalServerError(
         f"upstream said: bad key {key}", response=response(500), body={"error": {"message": key}}
     )

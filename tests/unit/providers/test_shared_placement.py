@@ -14,11 +14,8 @@ from langchain_core.messages import AIMessage, HumanMessage
 from fusion_graph.coordination.shared_base import SharedStateUnavailable
 from fusion_graph.coordination.shared_state import SharedState
 from fusion_graph.coordination.slot_leases import LeaseRow, LocalLeases, choose_slot
-from fusion_graph.providers.ask import Ask, ask
-from fusion_graph.providers.chain import ProviderChain, board_key
-from fusion_graph.providers.health import HealthPolicy
-from fusion_graph.providers.links import ChainLink
-from fusion_graph.providers.models import build_local_model
+from fusion_graph.providers.chain import Ask, HealthPolicy, ProviderChain, ask, board_key
+from fusion_graph.providers.models import Provider, build_local_model
 from fusion_graph.providers.placement import NOWHERE, LeasedPlacement, Placement, ServerSlots
 from fusion_graph.providers.pricing import FREE, Pricing
 from fusion_graph.providers.slots import routing_key
@@ -65,9 +62,9 @@ def test_when_every_slot_is_held_a_thread_borrows_the_least_recently_used_one_wi
 async def test_an_unreachable_shared_state_places_on_no_slot_and_says_so() -> None:
     """Without the database no turn can be had across processes: the request names no slot at all."""
     settings = FusionSettings(local_slots=4, local_base_url="http://127.0.0.1:9/v1")
-    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+    link = Provider("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
 
-    async def no_props(link: ChainLink) -> Any:
+    async def no_props(link: Provider) -> Any:
         return None
 
     state = SharedState("postgresql://nobody@127.0.0.1:9/none?connect_timeout=1")
@@ -107,9 +104,9 @@ class Failing(GenericFakeChatModel):
         raise ConnectionError("connection refused")
 
 
-def links() -> tuple[ChainLink, ChainLink]:
-    cloud = ChainLink("cloud:m", "cloud", Failing(messages=iter([])), Pricing.flat(FREE))
-    local = ChainLink(
+def links() -> tuple[Provider, Provider]:
+    cloud = Provider("cloud:m", "cloud", Failing(messages=iter([])), Pricing.flat(FREE))
+    local = Provider(
         "local:m", "local", GenericFakeChatModel(messages=iter([AIMessage("ok")] * 5)), Pricing.flat(FREE)
     )
     return cloud, local
@@ -122,7 +119,7 @@ async def test_a_cooldown_another_worker_announced_keeps_this_worker_off_the_pro
     board.shared[board_key(cloud)] = (time.time() + 60, "503 elsewhere")
     tried: list[str] = []
 
-    async def invoke(link: ChainLink) -> AIMessage:
+    async def invoke(link: Provider) -> AIMessage:
         tried.append(link.id)
         return AIMessage("answer")
 
@@ -136,7 +133,7 @@ async def test_a_cooldown_this_worker_trips_is_announced_to_the_others() -> None
     cloud, local = links()
     chain = ProviderChain([cloud, local], board=board, policy=HealthPolicy(allowed_failures=0, cooldown_s=30))
 
-    async def invoke(link: ChainLink) -> AIMessage:
+    async def invoke(link: Provider) -> AIMessage:
         if link.leg == "cloud":
             raise ConnectionError("connection refused")
         return AIMessage("answer")
@@ -155,7 +152,7 @@ async def test_without_a_board_nothing_is_announced(with_board: bool) -> None:
         [cloud, local], board=board if with_board else None, policy=HealthPolicy(allowed_failures=0)
     )
 
-    async def invoke(link: ChainLink) -> AIMessage:
+    async def invoke(link: Provider) -> AIMessage:
         if link.leg == "cloud":
             raise ConnectionError("connection refused")
         return AIMessage("answer")
@@ -178,7 +175,7 @@ class TurnPlacer:
         finally:
             self.events.append("turn given back")
 
-    async def place(self, link: ChainLink, thread_id: str, *, reflection: bool = False) -> Placement:
+    async def place(self, link: Provider, thread_id: str, *, reflection: bool = False) -> Placement:
         return Placement(slot=3, turn=self.turn) if link.leg == "local" else NOWHERE
 
     def unreachable(self, placement: Placement, error: BaseException) -> bool:
@@ -202,7 +199,7 @@ class Noting(GenericFakeChatModel):
 async def test_every_request_to_a_slot_that_takes_turns_is_sent_inside_its_turn(kind: StepKind) -> None:
     placer = TurnPlacer()
     model = Noting(messages=iter([AIMessage("ok")]), placer=placer)
-    chain = ProviderChain([ChainLink("local:m", "local", model, Pricing.flat(FREE))])
+    chain = ProviderChain([Provider("local:m", "local", model, Pricing.flat(FREE))])
     decision = RouteDecision(leg="local", score=None, threshold=None, reason="a side inference")
     call = Ask(kind=kind, turn=0, step=0, decision=decision, prompt=[HumanMessage("hi")], thread_id="t")
 
@@ -265,9 +262,9 @@ def test_a_returning_thread_stays_on_the_box_whose_host_cache_has_its_prefix() -
 
 async def test_in_this_process_a_running_threads_slot_is_never_taken_and_an_idle_one_is() -> None:
     settings = FusionSettings(local_slots=3, local_base_url="http://127.0.0.1:9/v1")  # 2 conversation slots
-    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+    link = Provider("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
 
-    async def no_props(link: ChainLink) -> Any:
+    async def no_props(link: Provider) -> Any:
         return None
 
     placer = LeasedPlacement(LocalLeases(), ServerSlots(settings, no_props), boxes=(), box_model=None)
@@ -292,9 +289,9 @@ async def test_a_returning_thread_waits_for_its_home_box_about_as_long_as_runs_h
 ) -> None:
     """A move prefills the thread's whole prompt again: while runs are slow, waiting at home is cheaper."""
     settings = FusionSettings(local_slots=2, slot_home_wait_s=2, request_timeout=30)
-    link = ChainLink("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
+    link = Provider("local:local", "local", build_local_model(settings), Pricing.flat(FREE))
 
-    async def no_props(link: ChainLink) -> Any:
+    async def no_props(link: Provider) -> Any:
         return {"total_slots": 2}
 
     boxes = ("http://a:8080", "http://b:8080")

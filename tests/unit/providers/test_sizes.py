@@ -20,7 +20,7 @@ from fusion_graph import FusionContext, build_graph
 from fusion_graph.errors import ContextError
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.compaction import PLACEHOLDER
-from fusion_graph.sizing.tokens import CUT_KEY
+from fusion_graph.sizing.turn import CUT_KEY
 from tests.plugins.errors import llama_overflow
 from tests.plugins.fakes import ScriptedModel, ai_calls, call, scripted, user_input
 

@@ -16,7 +16,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from fusion_graph import FusionContext, FusionSettings, build_graph
 from fusion_graph.errors import ChainExhausted
-from fusion_graph.providers.ask import timeout_text
+from fusion_graph.providers.chain import timeout_text
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.fakes import user_input
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fusion_graph import ChainExhausted, FusionContext
-from fusion_graph.routing.budget import (
+from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.rule import (
     COMPLETION_FLOOR,
     CloudBudget,
     CloudSpend,
@@ -16,7 +17,6 @@ from fusion_graph.routing.budget import (
     expected_completion,
     over_budget,
 )
-from fusion_graph.routing.records import RouteRecord
 from fusion_graph_testing.fake_openai import FakeOpenAI, Reply
 from tests.plugins.served import graph_over, turn_state
 

@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 
+from fusion_graph.nodes.tools import batch_notice
+from fusion_graph.routing.score import call_key
 from fusion_graph.routing.trouble import (
     ERROR_DECAY,
     ERROR_UNIT,
     NO_PROGRESS_WINDOW,
     Batch,
     TurnTrouble,
-    call_key,
     error_severity,
     fold_trouble,
     fold_turn,
@@ -28,7 +29,6 @@ from fusion_graph.routing.trouble import (
     turn_trouble,
 )
 from fusion_graph.sizing.turn import turn_fold
-from fusion_graph.tools.batch import batch_notice
 
 _ids = iter(range(1_000_000))
 

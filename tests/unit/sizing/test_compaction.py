@@ -8,7 +8,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langgraph.graph.message import Messages, add_messages
 
 from fusion_graph.sizing.compaction import PLACEHOLDER, compact
-from fusion_graph.sizing.tokens import approximate_tokens, message_tokens
+from fusion_graph.sizing.turn import approximate_tokens, message_tokens
 
 
 def call(index: int) -> AIMessage:

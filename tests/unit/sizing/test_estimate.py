@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from langchain_core.messages import AIMessage
 
-from fusion_graph.sizing.estimate import (
+from fusion_graph.sizing.turn import (
     Estimate,
     anchor_holds,
+    approximate_tokens,
     fingerprint,
     leg_estimate,
     new_anchor,
-    relative_error,
-)
-from fusion_graph.sizing.tokens import (
-    approximate_tokens,
     prompt_estimate,
+    relative_error,
 )
 from tests.unit.sizing.test_tokens import history, read_file
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusion_graph.sizing.fit import (
+from fusion_graph.routing.rule import (
     FALLBACK_CONVERSATION_TOKENS,
     LinkRoom,
     completion_budget,

@@ -6,7 +6,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langchain_core.messages.utils import count_tokens_approximately
 from langchain_core.tools import tool
 
-from fusion_graph.sizing.tokens import (
+from fusion_graph.sizing.turn import (
     TOKENS_PER_MESSAGE,
     TOKENS_PER_PROMPT,
     approximate_tokens,

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fusion_graph import FusionContext, FusionSettings
-from fusion_graph.providers.ask import all_cloud_cost
+from fusion_graph.providers.chain import all_cloud_cost
 from fusion_graph.routing.records import placement_of
 from fusion_graph.routing.score import score_band
 from fusion_graph.telemetry import switch

@@ -9,8 +9,8 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langchain_core.tools import BaseTool, tool
 
 from fusion_graph import prompts
+from fusion_graph.nodes.tools import BatchPlan, Rejected, call_key, plan_batch, prior_call_counts
 from fusion_graph.sizing.turn import turn_start
-from fusion_graph.tools.batch import BatchPlan, Rejected, call_key, plan_batch, prior_call_counts
 from tests.plugins.fakes import ai_calls, call
 
 

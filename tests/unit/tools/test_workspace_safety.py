@@ -16,7 +16,7 @@ from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
 
 from fusion_graph import ContextError, FusionContext, FusionSettings, build_graph
-from fusion_graph.nodes.dispatch import next_wave, touched_file
+from fusion_graph.nodes.tools import next_wave, touched_file
 from fusion_graph.settings import workspace_subpath
 from fusion_graph.tools.files import WorkspaceError, WorkspaceRoot
 from fusion_graph.tools.workspace import _list, _read, _replace, make_workspace_tools

@@ -1,0 +1,1059 @@
+"""Executor nodes: the plan, continuation steps on either leg, and repairs.
+
+Each makes one inference through the provider chain (``providers.chain.ask``),
+checks the answer's tool batch (``dispatch.check_batch``) and writes both in
+one update. Each carries out a ``route.StepOrder`` made once (the plan's and a
+repair's here, a continuation step's by the routing rule) and never decides
+again: the budget check in the order binds the step and its fallover. Before
+the call the fit rule (``nodes.step.Sizer.prepare``) keeps the step off
+links whose window cannot hold it, compacting the history when none can; after
+it, the answering leg's report becomes that leg's anchor for the next estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
+
+import httpx
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, convert_to_openai_messages
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.config import get_config
+from langgraph.runtime import Runtime
+from langgraph.store.base import BaseStore
+from langgraph.types import Command, Send
+
+from fusion_graph import prompts
+from fusion_graph.context import FusionContext, ensure_context, memory_on, thread_id_of
+from fusion_graph.errors import ChainExhausted, ContextError, StateError
+from fusion_graph.inputs import check_new_turn
+from fusion_graph.memory.background import inference_running
+from fusion_graph.memory.store import namespace_of, shadows_namespace
+from fusion_graph.nodes.memory import Recall, TurnStart
+from fusion_graph.nodes.shadow import ShadowChecks, picked, recorded_elsewhere
+from fusion_graph.nodes.tools import check_batch, sends
+from fusion_graph.providers.chain import ROUTE_EVENT, Ask, Bounds, ProviderChain, ask
+from fusion_graph.providers.llama_server import count_prompt_tokens
+from fusion_graph.providers.models import Provider
+from fusion_graph.providers.pricing import step_price
+from fusion_graph.providers.resolver import ProviderResolver
+from fusion_graph.routing.records import RouteRecord, StepKind, add_totals, make_record, records_totals
+from fusion_graph.routing.rule import (
+    UNLIMITED,
+    BudgetCheck,
+    FitPlan,
+    LinkRoom,
+    StepPrice,
+    check_budget,
+    completion_budget,
+    conversation_budget,
+    expected_completion,
+    plan_fit,
+)
+from fusion_graph.routing.score import Leg, RouteDecision, StepSignals
+from fusion_graph.sizing.compaction import Compaction, compact
+from fusion_graph.sizing.turn import (
+    Estimate,
+    TokenCounter,
+    build_prompt,
+    fingerprint,
+    last_batch,
+    leg_estimate,
+    new_anchor,
+    next_route,
+    next_step,
+    pending_calls,
+    step_tally,
+    tool_schemas,
+    turn_number,
+)
+from fusion_graph.state import PromptAnchor, State
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """What the graph knows about a step's size before the call.
+
+    Attributes:
+        windows: Each link's window by provider id (``None``: unknown).
+        estimates: The prompt on each leg of the chain.
+        budget: The score's context budget (``fit.conversation_budget``).
+        score_leg: The leg whose estimate the score uses (local when the chain has one).
+        key: The fingerprint of the system prompt and tools (``estimate.fingerprint``).
+    """
+
+    windows: dict[str, int | None]
+    estimates: dict[str, Estimate]
+    budget: int
+    score_leg: Leg
+    key: str
+
+    @property
+    def score_tokens(self) -> int:
+        """The prompt estimate the score uses."""
+        return self.estimates[self.score_leg].tokens
+
+    def rooms(self, chain: ProviderChain) -> list[LinkRoom]:
+        """Every link of ``chain`` as the fit rule sees it."""
+        return [
+            LinkRoom(link.id, link.leg, self.windows.get(link.id), self.estimates[link.leg].tokens)
+            for link in chain.links
+        ]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A step ready to send: the history (compacted if it had to be), its sizes and fit plan.
+
+    ``compaction`` is the one this preparation made; ``compactions`` every one of the step.
+    """
+
+    messages: list[BaseMessage]
+    sizes: StepSizes
+    plan: FitPlan
+    compaction: Compaction | None = None
+    compactions: list[Compaction] = field(default_factory=list)
+
+    def decided(self, decision: RouteDecision) -> RouteDecision:
+        """The router's decision, its reason extended by what the fit rule did."""
+        reason = self.plan.reason
+        return (
+            decision
+            if reason is None
+            else dataclasses.replace(decision, reason=f"{decision.reason}; {reason}")
+        )
+
+    def extra(self) -> dict[str, Any]:
+        """What the record keeps of the fit rule: its reason and the step's compactions."""
+        extra: dict[str, Any] = {}
+        if self.plan.reason is not None:
+            extra["fit"] = self.plan.reason
+        if self.compactions:
+            extra["compaction"] = {
+                "cleared_tool_outputs": sum(c.cleared for c in self.compactions),
+                "removed_messages": sum(c.removed for c in self.compactions),
+                "freed_tokens": sum(c.freed for c in self.compactions),
+                "need_tokens": max(c.need for c in self.compactions),
+                "times": len(self.compactions),
+            }
+        return extra
+
+    def anchors(
+        self, previous: Mapping[str, PromptAnchor], leg: str, reported: int | None, provider: str
+    ) -> dict[str, PromptAnchor]:
+        """The thread's anchors once ``leg`` answered this step and reported ``reported`` prompt tokens.
+
+        A compaction voids every earlier anchor. A leg whose prompt llama-server
+        counted for this step is anchored on that count even if another leg answered,
+        so the next estimate there does not ask the server again.
+        """
+        anchors = {} if self.compactions else dict(previous)
+        key = self.sizes.key
+        for other, estimate in self.sizes.estimates.items():
+            if other != leg and estimate.basis == "server":
+                counted = new_anchor(
+                    prompt_tokens=estimate.tokens, messages=self.messages, key=key, provider=""
+                )
+                if counted is not None:
+                    anchors[other] = counted
+        anchor = new_anchor(prompt_tokens=reported, messages=self.messages, key=key, provider=provider)
+        if anchor is not None:
+            anchors[leg] = anchor
+        return anchors
+
+    @property
+    def changes(self) -> list[BaseMessage]:
+        """The state updates of every compaction of the step, in order."""
+        return [change for compaction in self.compactions for change in compaction.changes]
+
+
+def overflowed(exhausted: ChainExhausted) -> bool:
+    """Whether a call no provider answered hit a context window on the way."""
+    return any(attempt.kind == "context_overflow" for attempt in exhausted.attempts)
+
+
+#: Appended tokens past which llama-server counts the local prompt itself (``/tokenize``): the
+#: estimator is a few percent off on most text but up to a quarter low on digit-heavy code, and
+#: context pressure, the score's largest term, rests on this number.
+SERVER_COUNT_OVER = 512
+
+
+class Sizer:
+    """Measures steps for one graph: its resolver, tools and token estimator."""
+
+    def __init__(
+        self, resolver: ProviderResolver, tools: Sequence[BaseTool], count_tokens: TokenCounter
+    ) -> None:
+        """Keep what measuring needs."""
+        self.resolver, self.tools, self.count_tokens = resolver, list(tools), count_tokens
+        self._keys: dict[str, str] = {}
+
+    def key(self, system_prompt: str) -> str:
+        """The fingerprint of what a request carries besides the history."""
+        if system_prompt not in self._keys:
+            if len(self._keys) > 64:
+                self._keys.clear()
+            self._keys[system_prompt] = fingerprint(system_prompt, self.tools)
+        return self._keys[system_prompt]
+
+    async def _server_count(
+        self, link: Provider, system_prompt: str, messages: Sequence[BaseMessage]
+    ) -> int | None:
+        """llama-server's own count of this prompt, or ``None`` when it is not llama-server or fails."""
+        if await self.resolver.server_props(link) is None:
+            return None
+        url = self.resolver.count_url(link)  # behind a gateway: a box, which counts alike
+        if url is None:
+            return None
+        try:
+            return await count_prompt_tokens(
+                url,
+                convert_to_openai_messages(build_prompt(system_prompt, messages)),
+                tool_schemas(self.tools),
+                timeout=min(self.resolver.settings.request_timeout, 10.0),
+            )
+        except (httpx.HTTPError, ValueError, KeyError) as error:
+            logger.warning("llama-server did not count the prompt (%r); estimating it", error)
+            return None
+
+    async def measure(
+        self,
+        chain: ProviderChain,
+        messages: Sequence[BaseMessage],
+        anchors: Mapping[str, PromptAnchor],
+        context: FusionContext,
+    ) -> StepSizes:
+        """Windows, per-leg estimates and the context budget of the step about to run on ``messages``.
+
+        Raises:
+            ContextError: An explicit ``conversation_max_tokens`` is larger than the local window holds.
+        """
+        # mode=cloud never routes to local: its server is not asked (it may not even run).
+        links = chain.links
+        asked = [link for link in links if not (context.mode == "cloud" and link.leg == "local")]
+        windows = {link.id: await self.resolver.window(link) for link in asked}
+        key = self.key(context.system_prompt)
+        estimates: dict[str, Estimate] = {}
+        unanchored: Estimate | None = None  # the same for every leg without an anchor
+        for link in links:
+            if link.leg in estimates:
+                continue
+            anchor = anchors.get(link.leg)
+            if anchor is None and unanchored is not None:
+                estimate = unanchored
+            else:
+                estimate = leg_estimate(
+                    messages,
+                    system_prompt=context.system_prompt,
+                    tools=self.tools,
+                    anchor=anchor,
+                    key=key,
+                    count_tokens=self.count_tokens,
+                )
+                if anchor is None:
+                    unanchored = estimate
+            unsure = estimate.basis == "approximate" or estimate.appended > SERVER_COUNT_OVER
+            if unsure and link.leg == "local" and context.mode != "cloud":
+                counted = await self._server_count(link, context.system_prompt, messages)
+                if counted is not None:
+                    estimate = Estimate(counted, "server")
+            estimates[link.leg] = estimate
+        legs = [link.leg for link in links]
+        score_leg: Leg = "local" if "local" in legs else (legs[0] if legs else "local")
+        local = next((link for link in links if link.leg == "local"), None)
+        local_window = windows.get(local.id) if local is not None else None
+        try:
+            budget = conversation_budget(
+                context.conversation_max_tokens, local_window, context.max_completion_tokens
+            )
+        except ValueError as error:
+            raise ContextError(str(error)) from None
+        if score_leg not in estimates:
+            estimates[score_leg] = Estimate(0, "approximate")
+        return StepSizes(windows, estimates, budget, score_leg, key)
+
+    def budget_of(self, link: Provider, sizes: StepSizes, context: FusionContext) -> int:
+        """The completion budget sent to ``link`` (``max_tokens``): at most half its window."""
+        budget = completion_budget(context.max_completion_tokens, sizes.windows.get(link.id))
+        own = getattr(link.model, "max_tokens", None)
+        return min(budget, own) if isinstance(own, int) and own > 0 else budget
+
+    def cloud_price(
+        self,
+        chain: ProviderChain,
+        sizes: StepSizes,
+        anchors: Mapping[str, PromptAnchor],
+    ) -> StepPrice | None:
+        """The step's price on the chain's first cloud link (``None``: no cloud link or estimate).
+
+        Its estimated prompt, with the prompt its cloud provider last reported for
+        this thread counted as cached input (the thread's cloud prefix is warm), at
+        most the estimate; and the link's price of one completion token.
+        """
+        link = chain.first_cloud
+        estimate = sizes.estimates.get("cloud")
+        if link is None or estimate is None:
+            return None
+        anchor = anchors.get("cloud")
+        cached = min(anchor["prompt_tokens"], estimate.tokens) if anchor is not None else 0
+        return step_price(link.pricing, estimate.tokens, cached)
+
+    def check_budget(
+        self,
+        chain: ProviderChain,
+        sizes: StepSizes,
+        anchors: Mapping[str, PromptAnchor],
+        route_log: Sequence[RouteRecord],
+        turn: int,
+        context: FusionContext,
+    ) -> BudgetCheck:
+        """The budget guard (``budget.check_budget``) for this step, priced by ``cloud_price``.
+
+        The step is priced at what the thread's inferences write (``expected_completion``),
+        and a cloud call's completion is capped at what the budget can still pay.
+        """
+        budget = self.resolver.cloud_budget(context)
+        if not budget.limited:
+            return UNLIMITED
+        link = chain.first_cloud
+        step = self.cloud_price(chain, sizes, anchors)
+        if link is None or step is None:
+            return check_budget(budget, route_log, turn, StepPrice(None, None), expected=1, ceiling=1)
+        ceiling = self.budget_of(link, sizes, context)
+        expected = expected_completion(route_log, ceiling=ceiling)
+        return check_budget(budget, route_log, turn, step, expected=expected, ceiling=ceiling)
+
+    async def check_jobs_budget(
+        self,
+        messages: Sequence[BaseMessage],
+        anchors: Mapping[str, PromptAnchor],
+        route_log: Sequence[RouteRecord],
+        turn: int,
+        context: FusionContext,
+        *,
+        jobs: int,
+    ) -> BudgetCheck:
+        """The budget guard for a run of ``jobs`` memory jobs on cloud: the same rule as a step's.
+
+        Each job sends the conversation (priced as a step's prompt) and writes up
+        to ``memory_max_tokens``; the run is priced whole, so the guard moves all
+        of its jobs or none.
+        """
+        budget = self.resolver.cloud_budget(context)
+        if not budget.limited:
+            return UNLIMITED
+        chain = await self.resolver.chain(context)
+        sizes = await self.measure(chain, messages, anchors, context)
+        step = self.cloud_price(chain, sizes, anchors)
+        if step is None or step.prompt_usd is None:
+            return check_budget(budget, route_log, turn, StepPrice(None, None), expected=1, ceiling=1)
+        run = StepPrice(step.prompt_usd * jobs, step.token_usd)
+        written = context.memory_max_tokens * jobs
+        return check_budget(budget, route_log, turn, run, expected=written, ceiling=written)
+
+    def bounds(
+        self, chain: ProviderChain, prepared: Prepared, context: FusionContext, check: BudgetCheck = UNLIMITED
+    ) -> Bounds:
+        """What bounds each attempt of the prepared step: links, windows, budgets, time.
+
+        A cloud link's completion budget is capped by the cloud budget's ``check``;
+        over the budget no cloud link is allowed (no fallover to cloud past it), so
+        ``allowed`` is empty when only a cloud window could hold the step.
+        """
+        sizes = prepared.sizes
+        allowed = frozenset(prepared.plan.allowed)
+        if check.over is not None:
+            allowed = frozenset(x for x in allowed if chain.leg_of(x) != "cloud")
+        max_tokens = {link.id: self.budget_of(link, sizes, context) for link in chain.links}
+        if check.max_tokens is not None:
+            for link in chain.links:
+                if link.leg == "cloud":
+                    max_tokens[link.id] = min(max_tokens[link.id], check.max_tokens)
+        return Bounds(
+            allowed=allowed,
+            windows=sizes.windows,
+            estimates=sizes.estimates,
+            max_tokens=max_tokens,
+            timeout_s=self.resolver.settings.request_timeout,
+        )
+
+    async def after_overflow(
+        self,
+        chain: ProviderChain,
+        routed: Leg,
+        prepared: Prepared,
+        exhausted: ChainExhausted,
+        context: FusionContext,
+    ) -> Prepared:
+        """The step compacted further after every link that could hold it overflowed anyway.
+
+        Frees what the largest overflowed server reported beyond its window; without
+        a report, a quarter of the estimate (which was evidently low).
+        """
+        need = 0
+        for attempt in exhausted.attempts:
+            if attempt.kind != "context_overflow":
+                continue
+            window = prepared.sizes.windows.get(attempt.provider) or 0
+            estimate = prepared.sizes.estimates[attempt.leg].tokens
+            size = attempt.prompt_tokens or int(estimate * 1.25)
+            budget = completion_budget(context.max_completion_tokens, window or None)
+            need = max(need, size + budget - window if window else estimate // 4)
+        again = await self.prepare(chain, routed, prepared.messages, {}, context, need=max(need, 1))
+        return dataclasses.replace(again, compactions=[*prepared.compactions, *again.compactions])
+
+    async def prepare(
+        self,
+        chain: ProviderChain,
+        routed: Leg,
+        messages: Sequence[BaseMessage],
+        anchors: Mapping[str, PromptAnchor],
+        context: FusionContext,
+        *,
+        sizes: StepSizes | None = None,
+        need: int = 0,
+    ) -> Prepared:
+        """Apply the fit rule to a step routed to ``routed``; compact the history when nothing fits.
+
+        ``need``: tokens to free regardless (a retry after every window overflowed).
+        """
+        history = list(messages)
+        if sizes is None:
+            sizes = await self.measure(chain, history, anchors, context)
+        plan = plan_fit(routed, sizes.rooms(chain), context.max_completion_tokens)
+        need = max(need, plan.compact)
+        if not need:
+            return Prepared(history, sizes, plan)
+        done: list[Compaction] = []
+        compaction = compact(history, need=need, count_tokens=self.count_tokens)
+        done.append(compaction)
+        history = compaction.messages
+        sizes = await self.measure(chain, history, {}, context)
+        compacted = plan_fit(routed, sizes.rooms(chain), context.max_completion_tokens)
+        reason = plan.reason or f"every window overflowed: {need:,} tokens to free"
+        tail = "; fits after compaction" if compacted.allowed else "; still too large after compaction"
+        # Still too large: try the largest window anyway and let its server decide.
+        allowed = compacted.allowed or ((plan.target,) if plan.target else ())
+        merged = FitPlan(compacted.leg, allowed, reason + tail, compact=need, target=plan.target)
+        return Prepared(history, sizes, merged, compaction, done)
+
+
+#: Every node ``route`` can send the turn to.
+Destination = Literal["tools", "local", "cloud", "repair", "step_limit", "give_up", "memory", "__end__"]
+
+
+#: Where the edge after a tool task can send the turn: a complete batch as ``route`` would, else to it.
+AFTER_TOOLS: tuple[str, ...] = ("route", *(name for name in get_args(Destination) if name != "tools"))
+
+
+def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
+    """Whether every call the batch ran is a ``return_direct`` tool (the turn ends on its result)."""
+    batch = last_batch(state["messages"])
+    if batch is None or not batch.tool_calls:
+        return False
+    if not any(call["name"] in tools and tools[call["name"]].return_direct for call in batch.tool_calls):
+        return False  # what ran cannot all be return_direct: no need to look for the results
+    ran = {m.tool_call_id for m in state["messages"] if isinstance(m, ToolMessage) and m.status != "error"}
+    names = [call["name"] for call in batch.tool_calls if call["id"] in ran]
+    return bool(names) and all(name in tools and tools[name].return_direct for name in names)
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """One inference, decided once: the leg it starts on and why, its sizes, what the budget allows.
+
+    The executor carries it out without deciding again; what only the call can
+    tell (a provider down, a window the server says overflowed) is the chain's
+    fallover and the fit rule's compaction, not a second decision.
+
+    Attributes:
+        node: The node that runs it (where a resume retries it).
+        kind: ``plan``, ``step`` or ``repair``.
+        step: Step index in the turn.
+        turn: Turn index in the thread.
+        decision: The routing decision, after the budget guard (the leg it starts on, and why).
+        signals: The signals it was scored on (``None`` for a repair: never re-scored).
+        sizes: Windows and estimates it was measured with.
+        check: What the cloud budget allows it (binds its fallover too).
+        shadow: Whether the cloud leg is asked beside it (``FusionContext.shadow_share``).
+        prefer_provider: A provider to start with while healthy (a repair's).
+    """
+
+    node: str
+    kind: StepKind
+    step: int
+    turn: int
+    decision: RouteDecision
+    signals: StepSignals | None
+    sizes: StepSizes
+    check: BudgetCheck
+    shadow: bool = False
+    prefer_provider: str | None = None
+
+
+def over_budget(order: StepOrder, prepared: Prepared) -> tuple[RouteRecord, AIMessage]:
+    """The record and the reply of a step only a cloud window can hold, when the cloud budget refuses it.
+
+    No inference is made: the record says why, the reply tells the user what to do.
+    """
+    fit = prepared.plan.reason or "the local window cannot hold it"
+    why = order.check.over or "over budget"
+    record = make_record(
+        turn=order.turn,
+        step=order.step,
+        kind=order.kind,
+        decision=prepared.decided(order.decision),
+        signals=order.signals,
+        extra={"outcome": "over_budget", "cloud_budget": why, "fit": fit},
+    )
+    return record, AIMessage(prompts.OVER_BUDGET.format(fit=fit, why=why))
+
+
+async def order_step(
+    sizer: Sizer,
+    state: State,
+    context: FusionContext,
+    *,
+    node: str,
+    kind: StepKind,
+    step: int,
+    turn: int,
+    decision: RouteDecision,
+    signals: StepSignals | None,
+    thread_id: str,
+    sizes: StepSizes | None = None,
+    prefer_provider: str | None = None,
+) -> StepOrder:
+    """``decision`` as a step's order: measured (unless ``sizes``), guarded by the budget, shadow picked.
+
+    The one budget rule for every step: a cloud step the cloud budget cannot pay
+    for runs local, and the check binds the step's fallover.
+    """
+    chain = await sizer.resolver.chain(context)
+    anchors = state.get("anchors") or {}
+    if sizes is None:
+        sizes = await sizer.measure(chain, state.get("messages", []), anchors, context)
+    check = sizer.check_budget(chain, sizes, anchors, state.get("route_log", []), turn, context)
+    decision = check.guard(decision)
+    shadow = (
+        decision.leg == "local"
+        and context.shadow_share > 0
+        and picked(thread_id, turn, step, context.shadow_share)
+    )
+    return StepOrder(node, kind, step, turn, decision, signals, sizes, check, shadow, prefer_provider)
+
+
+async def decide_step(
+    sizer: Sizer,
+    state: State,
+    context: FusionContext,
+    count_tokens: TokenCounter,
+    tools: Sequence[BaseTool],
+    *,
+    plan: bool,
+    turn: int,
+    thread_id: str,
+    node: str | None = None,
+) -> StepOrder:
+    """The step about to run on ``state``, decided once: measured, routed by the rule, ordered.
+
+    The plan (``plan``: the turn's step 0), a continuation step after a batch, and a
+    ``create_agent`` model call (``middleware``) are all decided here; ``node``
+    defaults to the leg the order starts on.
+    """
+    chain = await sizer.resolver.chain(context)
+    sizes = await sizer.measure(chain, state["messages"], state.get("anchors") or {}, context)
+    decision, signals = next_route(
+        state,
+        context,
+        count_tokens,
+        plan=plan,
+        prompt_tokens=sizes.score_tokens,
+        budget=sizes.budget,
+        tools=tools,
+    )
+    order = await order_step(
+        sizer,
+        state,
+        context,
+        node=node or decision.leg,
+        kind="plan" if plan else "step",
+        step=0 if plan else next_step(state),
+        turn=turn,
+        decision=decision,
+        signals=signals,
+        thread_id=thread_id,
+        sizes=sizes,
+    )
+    if node is None and order.decision.leg != decision.leg:  # the budget guard moved it local
+        order = replace(order, node=order.decision.leg)
+    return order
+
+
+def routing_update(
+    state: Mapping[str, Any],
+    decision: RouteDecision,
+    context: FusionContext,
+    route_log: Sequence[RouteRecord],
+) -> dict[str, Any]:
+    """State a step's decision moves besides the step: the escalation latch and the paced dial's tally.
+
+    The latch (``trouble_signals``) is written only when it moved; the tally of
+    ``route_log`` only when the dial is paced, so the next step counts on from it.
+    """
+    update: dict[str, Any] = {}
+    if decision.latch != state.get("latch"):
+        update["latch"] = decision.latch
+    if context.pace_slack is not None:
+        update["step_tally"] = step_tally(route_log, state.get("step_tally"))
+    return update
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Where the turn goes after a batch and, for a step on a leg, the order that sends it there.
+
+    Attributes:
+        goto: The destination(s): a node name, ``[leg, "memory"]``, or the next wave's ``Send``s.
+        order: The step's order (``None``: not a step on a leg).
+        update: State the decision moves besides the step (the escalation latch, the pace's tally).
+    """
+
+    goto: Destination | list[Send | Destination]
+    order: StepOrder | None = None
+    update: dict[str, Any] = field(default_factory=dict)
+
+
+#: A kept order's key: thread, step, id of the batch's last tool result.
+OrderKey = tuple[str, int, str]
+
+
+#: Decisions kept for executors at most (a step takes its own at once; this only bounds a leak).
+ORDERS_KEPT = 4096
+
+
+class StepOrders:
+    """Decisions the edge made, kept in process for the executor that carries them out.
+
+    Keyed by ``step_key``: the executor of that step takes it. One
+    that finds none (a run resumed in another process) routes the state again:
+    the rule is a function of the state, so it decides the same.
+    """
+
+    def __init__(self) -> None:
+        """An empty table."""
+        self._kept: OrderedDict[OrderKey, Routed] = OrderedDict()
+
+    def give(self, key: OrderKey, routed: Routed) -> None:
+        """Keep ``routed`` for the executor of ``key``."""
+        self._kept[key] = routed
+        while len(self._kept) > ORDERS_KEPT:
+            self._kept.popitem(last=False)
+
+    def take(self, key: OrderKey) -> Routed | None:
+        """The decision kept for ``key`` (once), or ``None``."""
+        return self._kept.pop(key, None)
+
+
+def step_key(state: State, thread_id: str) -> OrderKey:
+    """The step ``state`` is about to run, as an order's key: its thread, its step, the batch's last result.
+
+    The last message's id (set once, by ``add_messages``) tells two runs without
+    a ``thread_id`` apart.
+    """
+    messages = state.get("messages") or []
+    last = str(messages[-1].id) if messages else ""
+    return thread_id, next_step(state), last
+
+
+class RouteNode:
+    """The routing rule over the graph's token estimator, tools, sizer and memory switch.
+
+    ``__call__`` is the ``route`` node (a batch's join); ``after_tools`` the edge
+    that routes a one-call batch directly; ``decide`` the rule both apply.
+    """
+
+    def __init__(
+        self,
+        count_tokens: TokenCounter,
+        tools: dict[str, BaseTool],
+        memory_on: Callable[[Runtime[Any]], bool],
+        sizer: Sizer,
+    ) -> None:
+        """Keep what the decision needs."""
+        self.count_tokens, self.tools, self.memory_on, self.sizer = count_tokens, tools, memory_on, sizer
+        self.orders = StepOrders()
+
+    async def decide(self, state: State, runtime: Runtime[FusionContext], thread_id: str) -> Routed:
+        """Send the next wave of the batch, end the turn, repair, or route the next step."""
+        pending = pending_calls(state["messages"])
+        if pending:
+            return Routed(goto=list(sends(pending)))
+        if returned_directly(state, self.tools):
+            return Routed(goto="memory" if self.memory_on(runtime) else "__end__")
+        context = ensure_context(runtime.context)
+        step = next_step(state)
+        if step >= context.max_steps:
+            return Routed(goto="step_limit")
+        if state.get("repair_error"):
+            if state.get("repair_attempts", 0) >= context.max_repair_attempts:
+                return Routed(goto="give_up")
+            return Routed(goto="repair")
+        tools = list(self.tools.values())
+        turn = state.get("turn", 0)
+        order = await decide_step(
+            self.sizer, state, context, self.count_tokens, tools, plan=False, turn=turn, thread_id=thread_id
+        )
+        leg = order.decision.leg
+        update = routing_update(state, order.decision, context, state.get("route_log", []))
+        every = context.memory_every_k_steps
+        goto: Destination | list[Send | Destination] = leg
+        if every and step % every == 0 and self.memory_on(runtime):
+            goto = [leg, "memory"]  # beside the next step
+        return Routed(goto=goto, order=order, update=update)
+
+    async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
+        """The ``route`` node: a joined batch's decision, handed to the executor in process."""
+        thread_id = thread_id_of(get_config())
+        routed = await self.decide(state, runtime, thread_id)
+        if routed.order is not None:
+            self.orders.give(step_key(state, thread_id), routed)
+        return Command(goto=routed.goto)
+
+    async def after_tools(self, state: State, runtime: Runtime[FusionContext], config: RunnableConfig) -> Any:
+        """The edge after a tool task: a batch this task completed is routed here, else it joins at ``route``.
+
+        A task sees its own result only, so a batch of several parallel calls (or
+        one with a wave still to run) is never complete from here: those join.
+        """
+        if pending_calls(state["messages"]):
+            return "route"
+        thread_id = thread_id_of(config)  # an untraced edge: ``get_config`` has no run to read
+        routed = await self.decide(state, runtime, thread_id)
+        if routed.order is not None:
+            self.orders.give(step_key(state, thread_id), routed)
+        return routed.goto
+
+
+#: State fields with reducers: what a node writes there is always new.
+_APPENDED = frozenset({"messages", "route_log", "totals"})
+
+
+def only_changes(state: State, update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` without fields that already hold the same value.
+
+    Every written field is saved again in the next checkpoint; skipping
+    unchanged ones keeps each step's checkpoint small.
+    """
+    current: dict[str, Any] = dict(state)
+    return {
+        key: value
+        for key, value in update.items()
+        if key in _APPENDED or key not in current or current[key] != value
+    }
+
+
+class InferenceNodes:
+    """``plan``, ``local``, ``cloud`` and ``repair``, bound to the graph's providers and tools."""
+
+    def __init__(
+        self,
+        *,
+        resolver: ProviderResolver,
+        tools: Sequence[BaseTool],
+        count_tokens: TokenCounter,
+        recall: Recall | None = None,
+        sizer: Sizer | None = None,
+        route: RouteNode | None = None,
+        graph_name: str = "fusion",
+    ) -> None:
+        """Keep what every inference needs; ``route``: the rule whose decisions the steps carry out.
+
+        ``graph_name``: the store namespace's assistant when a run names none (finished shadow checks).
+        """
+        self.resolver = resolver
+        self.graph_name = graph_name
+        self.tools = list(tools)
+        self.tools_by_name = {tool.name: tool for tool in self.tools}
+        self.count_tokens = count_tokens
+        self.recall = recall
+        self.sizer = sizer or Sizer(resolver, self.tools, count_tokens)
+        self.route = route
+        self.shadows = ShadowChecks()
+
+    async def _infer(
+        self, order: StepOrder, state: State, runtime: Runtime[FusionContext]
+    ) -> tuple[dict[str, Any], bool]:
+        """One inference and its batch check; returns the update and whether it was answered.
+
+        The fit rule picks the links that can hold the step (and compacts the
+        history when none can); if every link that could hold it overflowed
+        anyway, the history is compacted further and the inference runs once more.
+        """
+        node, kind, step, turn = order.node, order.kind, order.step, order.turn
+        decision, check = order.decision, order.check
+        context = ensure_context(runtime.context)
+        chain = await self.resolver.chain(context)
+        thread_id = thread_id_of(get_config())
+        anchors = dict(state.get("anchors") or {})
+        messages = state.get("messages", [])
+        prepared = await self.sizer.prepare(
+            chain, decision.leg, messages, anchors, context, sizes=order.sizes
+        )
+        shadowed = order.shadow
+        if shadowed:  # the cloud leg asked beside the step, never waited for
+            shadowed = self._shadow(chain, prepared, check, context, order, thread_id, runtime.store)
+        # A memory job of the thread starts after the step in flight (none can run with memory off).
+        running = inference_running(thread_id) if memory_on(runtime) else contextlib.nullcontext()
+        async with running:
+            for retry in (False, True):
+                if prepared.compaction is not None:
+                    _stream_compaction(runtime, (turn, step, kind), decision.leg, prepared)
+                bounds = self.sizer.bounds(chain, prepared, context, check)
+                if check.over is not None and not bounds.allowed:  # only cloud could hold it: over budget
+                    return _over_budget_end(order, prepared), True
+                call = Ask(
+                    kind=kind,
+                    turn=turn,
+                    step=step,
+                    decision=prepared.decided(decision),
+                    # Every inference of a thread sends the same system prompt, so the prefix is stable.
+                    prompt=build_prompt(context.system_prompt, prepared.messages),
+                    thread_id=thread_id,
+                    tools=self.tools,
+                    signals=order.signals,
+                    prefer_provider=order.prefer_provider,
+                    extra=prepared.extra() | check.extra(),
+                )
+                asked = await ask(
+                    call,
+                    chain=chain,
+                    placer=self.resolver.placement,
+                    bounds=bounds,
+                    writer=runtime.stream_writer,
+                )
+                exhausted = asked.exhausted
+                if asked.answer is not None or retry or exhausted is None or not overflowed(exhausted):
+                    break
+                prepared = await self.sizer.after_overflow(chain, decision.leg, prepared, exhausted, context)
+        record, answer = asked.record, asked.answer
+        if shadowed:
+            self.shadows.answered(thread_id, turn, step, answer if record["leg"] == "local" else None)
+        shadows = (
+            self.shadows.fold(thread_id, state.get("route_log") or ())
+            if thread_id in self.shadows.pending
+            else []
+        )
+        for done in shadows:
+            runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **done})
+        if answer is None:
+            message = str(exhausted) if exhausted is not None else "no provider answered"
+            retry_in = exhausted.retry_in_s if exhausted is not None else None
+            stalled: dict[str, Any] = {
+                "route_log": [record, *shadows],
+                "stall": {"node": node, "message": message, "retry_in_s": retry_in},
+            }
+            if shadows:  # shadows that finished meanwhile were paid for all the same
+                stalled["totals"] = records_totals(shadows)
+            return stalled, False
+        history = prepared.messages
+        batch = check_batch(answer, history=history, tools=self.tools_by_name, context=context)
+        anchors = prepared.anchors(anchors, record["leg"], record["prompt_tokens"], record["provider"] or "")
+        totals = records_totals([record, *shadows])
+        update: dict[str, Any] = {
+            "messages": [*prepared.changes, batch.answer, *batch.replies],
+            "route_log": [record, *shadows],
+            "totals": totals,
+            "step": step,
+            # The leg that answered: after a fallover the turn continues from there.
+            "leg": record["leg"],
+            "provider": record["provider"],
+            "notice": batch.notice,
+            "repair_error": batch.repair_error,
+            "stall": None,
+            "anchors": anchors,
+        }
+        if batch.repair_error is None:
+            update["repair_attempts"] = 0
+        return only_changes(state, update), True
+
+    def _shadow(
+        self,
+        chain: Any,
+        prepared: Prepared,
+        check: BudgetCheck,
+        context: FusionContext,
+        order: StepOrder,
+        thread_id: str,
+        store: BaseStore | None,
+    ) -> bool:
+        """Start the shadow check of this local step on the cloud leg; ``False`` when none is made."""
+        cloud = chain.first_cloud
+        if cloud is None:
+            return False
+        return self.shadows.start(
+            thread_id=thread_id,
+            turn=order.turn,
+            step=order.step,
+            score=order.decision.score.score if order.decision.score is not None else None,
+            prompt=build_prompt(context.system_prompt, prepared.messages),
+            tools=self.tools,
+            chain=chain,
+            placer=self.resolver.placement,
+            check=check,
+            timeout_s=self.resolver.settings.request_timeout,
+            max_tokens=self.sizer.budget_of(cloud, prepared.sizes, context),
+            store=store,
+            namespace=shadows_namespace(namespace_of(get_config(), self.graph_name)),
+        )
+
+    async def plan(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Step 0: form the plan and pick the first tool batch (cloud whenever cloud_share > 0).
+
+        Relevant stored memories join the turn as a message right after the user's,
+        so every later step shares the prefix. Once the thread's cloud budget is
+        spent, plans run local too (the budget guard in ``_infer``).
+        """
+        check_new_turn(state.get("messages"))
+        context = ensure_context(runtime.context)
+        start = await self.recall(state, runtime) if self.recall is not None else TurnStart()
+        recalled = start.message
+        if recalled is not None:
+            state = {**state, "messages": [*state["messages"], recalled]}
+        turn = turn_number(state.get("turn"), state["messages"])  # a retried turn keeps its number
+        thread_id = thread_id_of(get_config())
+        order = await decide_step(
+            self.sizer,
+            state,
+            context,
+            self.count_tokens,
+            self.tools,
+            plan=True,
+            turn=turn,
+            thread_id=thread_id,
+        )
+        update, answered = await self._infer(order, state, runtime)
+        if not answered:
+            return update
+        if recalled is not None:
+            update["messages"] = [recalled, *update["messages"]]
+        caught = list(start.records)  # memory jobs that finished since the last turn: in route_log once
+        if runtime.store is not None:  # shadow checks that finished after their turn, in any worker
+            ns = shadows_namespace(namespace_of(get_config(), self.graph_name))
+            thread_id = thread_id_of(get_config())
+            log = state.get("route_log") or []
+            caught += await recorded_elsewhere(runtime.store, ns, thread_id, log, update["route_log"])
+        if caught:
+            update["route_log"] = [*caught, *update["route_log"]]
+            update["totals"] = add_totals(update.get("totals"), records_totals(caught))
+        update |= {"turn": turn}
+        if state.get("latch") is not None:  # a new turn starts unlatched (trouble_signals)
+            update["latch"] = None
+        update.setdefault("repair_attempts", 0)
+        return update
+
+    async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Carry out the order that sent this step here: kept for it in process, else the rule's again.
+
+        A run resumed in another process finds no order kept for it; the rule is a function
+        of the state, so applied again it decides the same.
+        """
+        if self.route is None:
+            raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
+        thread_id = thread_id_of(get_config())
+        routed = self.route.orders.take(step_key(state, thread_id))
+        routed = routed or await self.route.decide(state, runtime, thread_id)
+        order = routed.order
+        if order is None:
+            raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
+        if order.decision.leg != leg:  # a resume whose rule now reads otherwise: the leg already chosen holds
+            reason = f"{order.decision.reason} (routed {leg} before)"
+            decision = dataclasses.replace(order.decision, leg=leg, reason=reason)
+            order = dataclasses.replace(order, node=leg, decision=decision, shadow=False)
+        update, _ = await self._infer(order, state, runtime)
+        return {**routed.update, **update}
+
+    async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step routed to the local model (llama-server)."""
+        return await self._continue("local", state, runtime)
+
+    async def cloud(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step routed to the cloud model."""
+        return await self._continue("cloud", state, runtime)
+
+    async def repair(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """Retry a malformed tool call on the leg and provider that made it (never re-scored).
+
+        The provider is preferred while healthy; when it is not, the repair falls
+        over like any step. On cloud it is priced against the budget like any step.
+        """
+        context = ensure_context(runtime.context)
+        leg: Leg = state.get("leg", "local")
+        attempt = state.get("repair_attempts", 0) + 1
+        decision = RouteDecision(
+            leg=leg,
+            score=None,
+            threshold=None,
+            reason=f"repair {attempt}/{context.max_repair_attempts} of a malformed tool call: "
+            f"kept on the {leg} leg that made it",
+        )
+        order = await order_step(
+            self.sizer,
+            state,
+            context,
+            node="repair",
+            kind="repair",
+            step=state.get("step", 0) + 1,
+            turn=state.get("turn", 0),
+            decision=decision,
+            signals=None,
+            thread_id=thread_id_of(get_config()),
+            prefer_provider=state.get("provider"),
+        )
+        update, answered = await self._infer(order, state, runtime)
+        if answered and update.get("repair_error", state.get("repair_error")) is not None:
+            update["repair_attempts"] = attempt
+        return update
+
+
+def _over_budget_end(order: StepOrder, prepared: Prepared) -> dict[str, Any]:
+    """End the turn with ``route.over_budget``'s record and reply (the history as prepared)."""
+    record, reply = over_budget(order, prepared)
+    return {
+        "messages": [*prepared.changes, reply],
+        "route_log": [record],
+        "step": order.step,
+        "stall": None,
+        "repair_error": None,
+    }
+
+
+def _stream_compaction(
+    runtime: Runtime[FusionContext], where: tuple[int, int, StepKind], routed: Leg, prepared: Prepared
+) -> None:
+    """The ``fusion_route`` event of a compaction, sent before the call it makes possible."""
+    compaction = prepared.compaction
+    assert compaction is not None
+    turn, step, kind = where
+    runtime.stream_writer(
+        {
+            "event": ROUTE_EVENT,
+            "phase": "compaction",
+            "turn": turn,
+            "step": step,
+            "kind": kind,
+            "routed_leg": routed,
+            "reason": prepared.plan.reason,
+            **compaction.summary(),
+            "freed_tokens": compaction.freed,
+            "need_tokens": compaction.need,
+        }
+    )
