@@ -2,7 +2,7 @@
 
 Every trajectory of the shared traces is replayed as one thread on a real llama-server whose slots
 hold 8,192 tokens, through the graph's own routing (``turn.next_route``) and
-its own sizing (``sizing.Sizer``: windows from ``GET /props`` and the cloud model's profile,
+its own sizing (``nodes.step.Sizer``: windows from ``GET /props`` and the cloud model's profile,
 per-leg anchors on the servers' reports, llama-server's count of a thread's first local request,
 the fit rule and compaction). Local steps go to llama-server (``max_tokens`` 1: the recorded
 answer replaces the generated one, while the fit rule reserves the full ``max_completion_tokens``);

@@ -257,7 +257,7 @@ async def run_job(
             raise RuntimeError(f"{trajectory.thread_id}: memory job got no answer: {dropped}")
         first = records[0]
         processed, reused = first["processed_tokens"], first["cached_tokens"]
-        primed = bool(first["extra"].get("primed"))
+        primed = bool(first.get("memory", {}).get("primed"))
     if processed is None or reused is None:
         raise RuntimeError("llama-server reported no timings for a memory job")
     replay.jobs.append(

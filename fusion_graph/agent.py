@@ -137,14 +137,14 @@ def build_graph(
         count_tokens=count_tokens,
         recall=memory.recall,
         sizer=sizer,
-        route=route,
         graph_name=GRAPH_NAME,
     )
 
     builder = StateGraph(State, context_schema=FusionContext, input_schema=InputState)
     builder.add_node("plan", inference.plan)
-    builder.add_node("local", inference.local)
-    builder.add_node("cloud", inference.cloud)
+    # A step's order (its Send payload) is these nodes' input; they read the state themselves.
+    builder.add_node("local", inference.local, input_schema=State)
+    builder.add_node("cloud", inference.cloud, input_schema=State)
     builder.add_node("repair", inference.repair)
     # A Send payload (a list of one tool call), not the state, is this node's input.
     builder.add_node("tools", tools_node(tool_list))

@@ -22,6 +22,15 @@ A run's context overrides them field by field, whether it is a mapping or a
 ``FusionContext``: an object remembers which fields its caller set (keywords
 or assignments), and ``ensure_context`` fills the others from the defaults,
 so ``FusionContext(mode="local")`` and ``{"mode": "local"}`` run alike.
+
+The rest is how code outside a node finds the run it serves: the thread's id
+in a run's config (``thread_id_of``), whether memory jobs can run for it
+(``memory_on``: a store attached, ``sub_runners`` not ``off``), and the sampling
+scope (``SamplingScope``, ``sampling_scope``, ``current_scope``): the tool call an
+MCP sampling request arrives during, found through a ``ContextVar`` so its
+records join that thread's ``route_log``. They sit beside the context, which
+all their readers (the nodes, the middleware, MCP sampling, the memory jobs)
+import anyway, so finding the run loads no other module.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ beside the shared state (``fusion_graph.coordination.shared_base``), whose calle
 
 Every message names the fix. Errors that carry a provider's failure are the
 package's own, scrubbed of secrets and never chained to the provider's
-exception (its text, body or headers may echo the key).
+exception (its text, body or headers may echo the key). ``causes`` walks an
+error's chain of causes, for code that must tell what lies under a wrapper.
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from langchain_core.runnables import Runnable, RunnableConfig
+from langgraph._internal._constants import CONFIG_KEY_READ_STATE
 from langgraph._internal._runnable import RunnableCallable
 from langgraph.graph.state import CompiledStateGraph
+
+from fusion_graph.errors import StateError
 
 # NOTE: LangGraph marks a run that continues from a checkpoint (invoke with None,
 # or ``Command(resume=...)``) with this configurable key. ``unavailable`` needs it
@@ -54,3 +57,18 @@ def untraced_edge(path: Callable[..., Awaitable[Any]]) -> Runnable[Any, Any]:
     # LangChain's ``create_agent`` registers its edges as ``RunnableCallable(..., trace=False)``;
     # no public part builds one.
     return RunnableCallable(None, path, trace=False)
+
+
+def node_state(config: RunnableConfig) -> Any:
+    """The graph state a node reached by ``Send`` would get from an edge (channels as of its step).
+
+    Raises:
+        StateError: The running task has no state to read (not a task of a graph run).
+    """
+    # NOTE: a node reached by ``Send`` gets the payload as its input, not the state.
+    # LangGraph's own ``ToolNode`` reads the state of such a task through this
+    # configurable key (``ToolNode._extract_state``); no public part reads it.
+    read = config.get("configurable", {}).get(CONFIG_KEY_READ_STATE)
+    if read is None:
+        raise StateError("no graph state to read here: a step's order runs only inside a graph run")
+    return read()

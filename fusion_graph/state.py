@@ -78,6 +78,8 @@ class Stall(TypedDict):
     node: str
     message: str
     retry_in_s: float | None
+    order: NotRequired[dict[str, Any]]
+    """A continuation step's order as its ``Send`` carried it: a resume sends it again."""
 
 
 #: Updates of ``messages`` between two whole copies of it in a checkpoint: a turn of one tool call
@@ -198,7 +200,7 @@ class State(InputState):
     notice: NotRequired[bool]
     """A batch was trimmed or the loop detector fired since the previous step."""
     # NOTE: only with ``trouble_signals``: the step's executor writes the escalation latch its
-    # decision leaves (``RouteDecision.latch``), the next one reads it (``routing.Latch``).
+    # decision leaves (``RouteDecision.latch``), the next one reads it (``routing.score.Latch``).
     latch: NotRequired[int | None]
     """The step whose trouble latched this turn on cloud until a progress event (``None``: not held)."""
     repair_attempts: NotRequired[int]

@@ -80,7 +80,7 @@ def summarize_workers(steps: Sequence[PlacedStep], boxes: int) -> dict[str, Any]
     leaf["thread_moves"] = thread_moves(steps)
     leaf["guest_requests"] = sum(1 for s in local if s.notes.get("guest"))
     leaf["fallback_requests"] = sum(
-        1 for s in local if str(s.notes.get("placement", "")).startswith("in-process:")
+        1 for s in local if str(s.notes.get("lease", "")).startswith("in-process:")
     )
     leaf["excess_detail"] = [
         {

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from fusion_graph.routing.records import upgraded
 from fusion_graph.routing.score import score_band
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def agreement(records: Iterable[RouteRecord], margin: float | None = None) -> di
     checked = agreed = 0
     cost = 0.0
     for record in records:
-        shadow = record["extra"].get("shadow") if record["kind"] == "shadow" else None
+        shadow = upgraded(record).get("shadow") if record["kind"] == "shadow" else None
         if not shadow or shadow.get("agrees") is None:
             continue
         row = bands.setdefault(score_band(shadow.get("score")), {"checked": 0, "agree": 0})

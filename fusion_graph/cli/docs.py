@@ -1,16 +1,27 @@
-"""Documentation generated from the code, so ``docs/configuration.md`` and ``.env.example`` cannot drift."""
+"""Documentation generated from the code, so the docs' tables and ``.env.example`` cannot drift.
+
+``docs/configuration.md``'s table comes from the settings and the run context,
+``docs/route_log.md``'s from the route record's classes and their attribute docstrings.
+"""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
+import re
 import textwrap
 from typing import Any
 
 from fusion_graph.context import ENV_KEYS, context_fields
+from fusion_graph.errors import UsageError
+from fusion_graph.routing import records
 from fusion_graph.settings import ENV_PREFIX, FusionSettings, settings_fields
 
 TABLE_BEGIN = "<!-- config-table:begin -->"
 TABLE_END = "<!-- config-table:end -->"
+RECORD_BEGIN = "<!-- route-record:begin -->"
+RECORD_END = "<!-- route-record:end -->"
 #: Longer string defaults (the system prompt) are not repeated in the docs.
 LONG_DEFAULT = 40
 
@@ -87,9 +98,102 @@ def env_example() -> str:
 
 def render_readme_table(readme: str) -> str:
     """``readme`` with the text between the table markers replaced by :func:`config_table`."""
-    head, rest = readme.split(TABLE_BEGIN, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    return f"{head}{TABLE_BEGIN}\n{config_table()}\n{TABLE_END}{tail}"
+    return _between(readme, TABLE_BEGIN, TABLE_END, config_table())
+
+
+def _between(text: str, begin: str, end: str, block: str) -> str:
+    """``text`` with what lies between the markers ``begin`` and ``end`` replaced by ``block``."""
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{block}\n{end}{tail}"
+
+
+def _typed_dicts() -> dict[str, ast.ClassDef]:
+    """The classes of ``routing.records``, by name, as its source declares them."""
+    tree = ast.parse(inspect.getsource(records))
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def _fields(node: ast.ClassDef) -> list[tuple[str, ast.expr, str | None]]:
+    """``(name, annotation, attribute docstring)`` of each field a class body declares, in order."""
+    found: list[tuple[str, ast.expr, str | None]] = []
+    body = node.body
+    for index, statement in enumerate(body):
+        if not isinstance(statement, ast.AnnAssign) or not isinstance(statement.target, ast.Name):
+            continue
+        after = body[index + 1] if index + 1 < len(body) else None
+        doc = (
+            after.value.value
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            else None
+        )
+        found.append((statement.target.id, statement.annotation, doc if isinstance(doc, str) else None))
+    return found
+
+
+def _unwrapped(annotation: ast.expr) -> ast.expr:
+    """``annotation`` without ``NotRequired[...]``."""
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "NotRequired":
+        return annotation.slice
+    return annotation
+
+
+def _inner(annotation: ast.expr, classes: dict[str, ast.ClassDef]) -> tuple[str, str] | None:
+    """``(class, suffix)`` when ``annotation`` is a record class (``""``) or a list of one (``"[]"``)."""
+    if isinstance(annotation, ast.Name) and annotation.id in classes:
+        return annotation.id, ""
+    if (
+        isinstance(annotation, ast.Subscript)
+        and ast.unparse(annotation.value) == "list"
+        and isinstance(annotation.slice, ast.Name)
+        and annotation.slice.id in classes
+    ):
+        return annotation.slice.id, "[]"
+    return None
+
+
+def record_fields(name: str = "RouteRecord", prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(field, type, meaning)`` of a route record's every field, sub-records and theirs included.
+
+    Read from ``routing.records``'s source: a class's own fields first, then those
+    of the record classes it extends; a field holding a record (or a list of them)
+    is followed by that record's fields, dotted. The meaning is the field's
+    attribute docstring.
+
+    Raises:
+        UsageError: A field has no attribute docstring.
+    """
+    classes = _typed_dicts()
+    node = classes[name]
+    bases = [base.id for base in node.bases if isinstance(base, ast.Name) and base.id in classes]
+    rows: list[tuple[str, str, str]] = []
+    for field_name, annotation, doc in _fields(node):
+        if doc is None:
+            raise UsageError(f"{name}.{field_name} has no attribute docstring: the docs need one")
+        kind = _unwrapped(annotation)
+        dotted = f"{prefix}{field_name}"
+        inner = _inner(kind, classes)
+        rows.append((dotted, ast.unparse(kind), doc))
+        if inner is not None:
+            rows += record_fields(inner[0], f"{dotted}{inner[1]}.")
+    for base in bases:
+        rows += record_fields(base, prefix)
+    return rows
+
+
+def record_table() -> str:
+    """The field table of docs/route_log.md: every field of ``RouteRecord`` and its sub-records."""
+    rows = ["| field | type | meaning |", "| --- | --- | --- |"]
+    for name, kind, meaning in record_fields():
+        kind = kind.replace(" | ", " or ")
+        meaning = re.sub(r"``(.+?)``", r"`\1`", " ".join(meaning.split())).replace("|", "\\|")
+        rows.append(f"| `{name}` | {kind} | {meaning} |")
+    return "\n".join(rows)
+
+
+def render_record_table(page: str) -> str:
+    """``page`` (docs/route_log.md) with the text between the record markers replaced by ``record_table``."""
+    return _between(page, RECORD_BEGIN, RECORD_END, record_table())
 
 
 if __name__ == "__main__":  # python -m fusion_graph.cli.docs [docs/configuration.md [.env.example]]
@@ -98,5 +202,7 @@ if __name__ == "__main__":  # python -m fusion_graph.cli.docs [docs/configuratio
 
     path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/configuration.md")
     path.write_text(render_readme_table(path.read_text(encoding="utf-8")), encoding="utf-8")
+    route_log = path.with_name("route_log.md")  # beside it in docs/
+    route_log.write_text(render_record_table(route_log.read_text(encoding="utf-8")), encoding="utf-8")
     example = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".env.example")
     example.write_text(env_example(), encoding="utf-8")

@@ -4,7 +4,7 @@ It is fed by events (plain dicts), so a recorded stream renders the same table:
 
 - ``fusion_route`` (the graph's custom stream): a ``decision`` before each
   inference (the row appears, running), an ``outcome`` after it (who answered,
-  failed attempts, tokens, cost, ``extra.latency_s``), and ``compaction``
+  failed attempts, tokens, cost, the ``outcome``'s ``latency_s``), and ``compaction``
   notes. An event without a ``phase`` is an outcome.
 - ``fusion_answer`` (made by ``run_task`` from the executor's state update):
   the tools the answer called and its ``finish_reason`` (``"length"``: cut at
@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.spinner import Spinner
@@ -35,6 +35,10 @@ from rich.table import Table
 from rich.text import Text
 
 from fusion_graph.cli.tables import add_number_columns, compact_table
+from fusion_graph.routing.records import upgraded
+
+if TYPE_CHECKING:
+    from fusion_graph.routing.records import RouteRecord
 
 ROUTE_EVENT = "fusion_route"  # the executor's event name (kept literal: no import of the node layer)
 ANSWER_EVENT = "fusion_answer"
@@ -224,7 +228,9 @@ class StepTable:
         row.cached_tokens = event.get("cached_tokens")
         row.completion_tokens = event.get("completion_tokens")
         row.cost_usd = event.get("cost_usd")
-        latency = (event.get("extra") or {}).get("latency_s")
+        latency = (
+            upgraded(cast("RouteRecord", event)).get("outcome", {}).get("latency_s")
+        )  # a recorded stream
         if latency is None and row.started is not None:
             latency = self.clock() - row.started
         row.latency_s = latency

@@ -43,7 +43,7 @@ from fusion_graph.cli.stores import (
     unreachable,
 )
 from fusion_graph.cli.tables import add_number_columns, compact_table
-from fusion_graph.routing.records import is_step, kept_local_by_budget
+from fusion_graph.routing.records import is_step, kept_local_by_budget, upgraded
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -126,7 +126,7 @@ def stored_threads(db: Path, thread: str | None = None) -> dict[str, StoredThrea
             first = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": first_id}})
             values = reader.get_state(config).values
             threads[thread_id] = StoredThread(
-                route_log=list(values.get("route_log", [])),
+                route_log=[upgraded(record) for record in values.get("route_log", [])],
                 started_at=first.checkpoint.get("ts") if first is not None else None,
                 first_message=first_user_message(values.get("messages", [])),
             )
@@ -250,7 +250,7 @@ def _read_threads(
         first = saver.get_tuple({"configurable": {**config["configurable"], "checkpoint_id": row["first"]}})
         values = latest.values
         threads[str(row["thread_id"])] = StoredThread(
-            route_log=list(values.get("route_log", [])),
+            route_log=[upgraded(record) for record in values.get("route_log", [])],
             started_at=first.checkpoint.get("ts") if first is not None else None,
             first_message=first_user_message(values.get("messages", [])),
         )
@@ -274,7 +274,7 @@ def budget_summary(records: Sequence[RouteRecord]) -> dict[str, Any]:
         if record["leg"] == "cloud" and record["cost_usd"]:
             by_turn[record["turn"]] = by_turn.get(record["turn"], 0.0) + record["cost_usd"]
     synthesis = [r for r in records if r["kind"] == "synthesis"]
-    skipped = sum("skipped" in (r.get("extra") or {}) for r in synthesis)
+    skipped = sum("skipped" in upgraded(r).get("synthesis", {}) for r in synthesis)
     return {
         "cloud_spend_usd": sum(by_turn.values()),
         "max_turn_cloud_usd": max(by_turn.values(), default=0.0),

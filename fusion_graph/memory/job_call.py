@@ -53,7 +53,7 @@ async def prime_reflection_slot(link: Provider, placement: Placement, timeout_s:
     slot's content (the previous job), so it parks that content in the cache
     and snapshots the idle conversation slots; the job that follows then
     finds its conversation there. It goes out as ``ask`` builds every request
-    (``ask.prime_slot``: the placement's slot, ``cache_prompt`` and headers, so
+    (``chain.prime_slot``: the placement's slot, ``cache_prompt`` and headers, so
     the same box). Only OpenAI-compatible servers are primed (an injected model
     has no slots to park). Any failure is ignored: the job runs cold.
     """
@@ -170,7 +170,7 @@ async def run_job(
             body=_job_body(job, runner),
             max_tokens=runner.max_tokens,
             config=runner.config,
-            extra={"job": job.name, "repair": attempt > 0},
+            parts={"memory": {"job": job.name, "repair": attempt > 0}},
         )
         failure: BaseException | None = None
         try:
@@ -184,7 +184,7 @@ async def run_job(
             logger.warning("memory job %s failed: %s", job.name, why)
             return None, records, why
         answer, record = asked.answer, asked.record
-        record["extra"]["primed"] = primed.get(str(record["provider"]), False)
+        record.setdefault("memory", {})["primed"] = primed.get(str(record["provider"]), False)
         records.append(record)
         try:
             return job.schema.model_validate_json(_json_text(answer)), records, None
@@ -192,7 +192,7 @@ async def run_job(
             error = str(invalid).splitlines()[0] if str(invalid) else type(invalid).__name__
             prompt = [*prompt, answer, HumanMessage(prompts.MEMORY_REPAIR.format(error=error))]
             prefer = record["provider"]  # the repair is judged by the model that made the mistake
-    records[-1]["extra"]["dropped"] = f"invalid JSON after one repair: {error}"
+    records[-1].setdefault("memory", {})["dropped"] = f"invalid JSON after one repair: {error}"
     return None, records, f"invalid JSON after one repair: {error}"
 
 
@@ -200,7 +200,11 @@ def dropped_record(job: MemoryJob, leg: Leg, turn: int, step: int, why: str) -> 
     """The record of a job that produced no answer at all (timeout, every provider down)."""
     decision = RouteDecision(leg=leg, score=None, threshold=None, reason=f"memory job {job.name} dropped")
     return make_record(
-        turn=turn, step=step, kind="memory", decision=decision, extra={"job": job.name, "dropped": scrub(why)}
+        turn=turn,
+        step=step,
+        kind="memory",
+        decision=decision,
+        memory={"job": job.name, "dropped": scrub(why)},
     )
 
 

@@ -19,7 +19,7 @@ from fusion_graph.memory.store import (
     now_iso,
     search_all,
 )
-from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.records import RouteRecord, upgraded
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class JobEntry(TicketFields):
     finished_at: str | None
     stored: int
     rejected: NotRequired[int]
-    """Items the jobs answered and left out (``memory.screen``); why: each record's ``extra.rejected``."""
+    """Items the jobs answered and left out (``memory.screen``); why: each record's ``memory.rejected``."""
     records: list[RouteRecord]
 
 
@@ -119,8 +119,9 @@ def done_entry(entry: JobEntry, records: Sequence[RouteRecord]) -> JobEntry:
     finished = JobEntry(**entry)
     finished["status"] = "done"
     finished["finished_at"] = now_iso()
-    finished["stored"] = sum(int(record["extra"].get("stored") or 0) for record in records)
-    finished["rejected"] = sum(len(record["extra"].get("rejected") or ()) for record in records)
+    jobs = [upgraded(record).get("memory", {}) for record in records]
+    finished["stored"] = sum(int(job.get("stored") or 0) for job in jobs)
+    finished["rejected"] = sum(len(job.get("rejected") or ()) for job in jobs)
     finished["records"] = list(records)
     return finished
 
@@ -169,8 +170,5 @@ async def pending_everywhere(store: BaseStore) -> list[tuple[tuple[str, ...], Jo
 
 def folded_keys(route_log: Iterable[RouteRecord]) -> set[str]:
     """Job log keys whose records are already in ``route_log``."""
-    return {
-        str(record["extra"]["job_key"])
-        for record in route_log
-        if record["kind"] == "memory" and record["extra"].get("job_key")
-    }
+    jobs = (upgraded(record).get("memory", {}) for record in route_log if record["kind"] == "memory")
+    return {str(job["job_key"]) for job in jobs if job.get("job_key")}

@@ -43,11 +43,11 @@ from fusion_graph.memory.job_log import (
     write_entry,
 )
 from fusion_graph.memory.jobs import DEFAULT_JOBS, JobTicket, MemoryJob
-from fusion_graph.memory.screen import Rejected, screen_items, stored_texts
+from fusion_graph.memory.screen import screen_items, stored_texts
 from fusion_graph.memory.store import store_items
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub
-from fusion_graph.routing.records import RouteRecord
+from fusion_graph.routing.records import Rejected, RouteRecord, upgraded
 from fusion_graph.telemetry import switch as telemetry
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class MemoryRuns:
                 continue
             ticket = ticket_of(entry, ns)
             if ticket.key not in folded:
-                records.extend(entry["records"])
+                records.extend(upgraded(record) for record in entry["records"])
                 continue
             try:  # its records are in the checkpoint now: keep the log's working set small
                 await write_entry(store, ticket, with_status(entry, "folded"))
@@ -430,16 +430,22 @@ class MemoryRuns:
                     stored = await store_items(store, job, kept, ticket=ticket)
                 except Exception as error:  # noqa: BLE001 - never fail the turn over memory
                     dropped = scrub(f"store write failed: {type(error).__name__}: {error}")
-            if not records or (dropped is not None and not records[-1]["extra"].get("dropped")):
+            if not records or (dropped is not None and not records[-1].get("memory", {}).get("dropped")):
                 records.append(self.dropped(job, ticket, dropped or "no answer"))
             for record in records:
-                record["extra"] |= {"job_key": ticket.key, "attempt": ticket.attempt, "mode": mode}
-            records[-1]["extra"] |= {
-                "stored": len(stored),
-                "rejected": [Rejected(kind=r["kind"], text=scrub(r["text"]), why=r["why"]) for r in rejected],
-                "dropped": dropped,
-                "outcome": "dropped" if dropped is not None else "stored",
-            }
+                record.setdefault("memory", {}).update(
+                    {"job_key": ticket.key, "attempt": ticket.attempt, "mode": mode}
+                )
+            records[-1].setdefault("memory", {}).update(
+                {
+                    "stored": len(stored),
+                    "rejected": [
+                        Rejected(kind=r["kind"], text=scrub(r["text"]), why=r["why"]) for r in rejected
+                    ],
+                    "dropped": dropped,
+                    "outcome": "dropped" if dropped is not None else "stored",
+                }
+            )
             telemetry.job_finished(records[-1])
             return records
 
@@ -449,7 +455,9 @@ class MemoryRuns:
     def dropped(self, job: MemoryJob, ticket: JobTicket, why: str) -> RouteRecord:
         """The record of a job of this run that stored nothing, and why."""
         record = dropped_record(job, ticket.run["leg"], ticket.run["turn"], ticket.run["step"], why)
-        record["extra"] |= {"job_key": ticket.key, "attempt": ticket.attempt, "outcome": "dropped"}
+        record.setdefault("memory", {}).update(
+            {"job_key": ticket.key, "attempt": ticket.attempt, "outcome": "dropped"}
+        )
         return record
 
     async def sweep(self, graph: MemoryGraph, *, context: FusionContext | None = None) -> int:

@@ -6,7 +6,7 @@ the task"). Stored, that line is recalled into every later thread of the user,
 so every thread pays for it and the model reads its own instruction as
 something the user said. Each run stores another copy. So every item is
 screened before it is written, by one rule, and each one left out is recorded
-with why (the job's record ``extra.rejected``, kept in its job log entry):
+with why (``rejected`` in its record's ``memory``, kept in its job log entry):
 
 - **Normalised text.** Unicode NFKC, case-folded, every run of characters that
   are not letters or digits made one space, trimmed. Two items with the same
@@ -30,12 +30,13 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any
 
 from langgraph.store.base import BaseStore
 
 from fusion_graph.memory.jobs import JobTicket, MemoryJob
 from fusion_graph.memory.store import search_all
+from fusion_graph.routing.records import Rejected
 
 #: Fewest words an item needs before a partial (word pair) overlap can make it an echo.
 ECHO_MIN_WORDS = 3
@@ -44,20 +45,6 @@ ECHO_MIN_WORDS = 3
 ECHO_SHARE = 0.5
 
 _NOT_WORD = re.compile(r"[\W_]+")
-
-
-class Rejected(TypedDict):
-    """One item a job answered and the screen left out.
-
-    Attributes:
-        kind: The item's ``kind`` (``fact``, ``decision``, ``task``), as answered.
-        text: The item's text, as answered.
-        why: Which rule left it out (``echo of the job's instructions``, ``already stored as KEY``...).
-    """
-
-    kind: str
-    text: str
-    why: str
 
 
 def normalise(text: str) -> str:

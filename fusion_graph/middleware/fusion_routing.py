@@ -62,7 +62,7 @@ from fusion_graph.nodes.tools import malformed_call_message, unique_call_ids
 from fusion_graph.providers.chain import Ask, ProviderChain, ask
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub_content
-from fusion_graph.routing.records import RouteRecord, add_totals, records_totals
+from fusion_graph.routing.records import RouteRecord, add_totals, joined, records_totals
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 from fusion_graph.sizing.turn import TokenCounter, approximate_tokens, turn_start
@@ -341,7 +341,7 @@ class FusionRoutingMiddleware(AgentMiddleware[FusionRoutingState, Any]):
             thread_id=thread_id,
             tools=tools,
             signals=signals,
-            extra=prepared.extra() | order.check.extra(),
+            parts=joined(prepared.parts(), order.check.parts()),
             send=send,
         )
         asked = await ask(

@@ -1,9 +1,9 @@
 """The graph's nodes, one module per concern.
 
-- ``executors``: ``plan``, ``local``, ``cloud``, ``repair`` (one inference each, plus its batch check)
-- ``dispatch``: the batch rules and one ``Send`` per tool call
-- ``tools``: LangGraph's ``ToolNode`` for one call, with the graph's hook (sampling records, scrub, cap)
-- ``route``: where the turn goes after a batch, decided once (by the edge, or the node that joins)
+- ``step``: a step from decision to answer: the routing edge (or the ``route`` node that joins a
+  batch), the ``Sizer``, and the ``plan``, ``local``, ``cloud`` and ``repair`` nodes
+- ``tools``: the batch rules, one ``Send`` per tool call, and LangGraph's ``ToolNode`` for one call
+  with the graph's hook (sampling records, scrub, output cap)
 - ``memory``: recall into a new turn and the memory jobs after a reply
 - ``synthesis``: cloud re-writes a turn's final reply when the local leg wrote it
 - ``shadow``: the cloud leg asked beside a share of local steps, to record whether it acts alike

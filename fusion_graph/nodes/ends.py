@@ -7,7 +7,7 @@ from typing import Any, Literal, cast
 from langchain_core.messages import AIMessage
 from langgraph.config import get_config
 from langgraph.runtime import Runtime
-from langgraph.types import Command
+from langgraph.types import Command, Send
 
 from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context
@@ -46,7 +46,9 @@ async def unavailable(state: State, runtime: Runtime[FusionContext]) -> Command[
     if stall is None:
         raise StateError("unavailable runs only after an inference no provider answered")
     if is_resuming(get_config()):
-        return Command(update={"stall": None}, goto=cast(RetryDestination, stall["node"]))
+        node = cast(RetryDestination, stall["node"])
+        order = stall.get("order")  # a continuation step's: carried out as it was decided
+        return Command(update={"stall": None}, goto=node if order is None else Send(node, order))
     log = state.get("route_log", [])
     attempts = [Attempt(**a) for a in log[-1]["attempts"]] if log else []
     raise ChainExhausted(stall["message"], attempts, stall["retry_in_s"])

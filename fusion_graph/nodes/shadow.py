@@ -22,7 +22,6 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.tools import BaseTool
@@ -32,7 +31,7 @@ from langgraph.store.base import BaseStore
 from fusion_graph.providers.chain import Ask, Asked, Bounds, ProviderChain, ask
 from fusion_graph.providers.placement import Placer
 from fusion_graph.redact import scrub
-from fusion_graph.routing.records import RouteRecord, action, same_action
+from fusion_graph.routing.records import RouteRecord, action, same_action, upgraded
 from fusion_graph.routing.rule import BudgetCheck
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.telemetry import switch as telemetry
@@ -82,8 +81,8 @@ class _Pending:
 
 def shadow_key(record: RouteRecord) -> str | None:
     """The key of a shadow check's record (``None``: not one)."""
-    shadow = record["extra"].get("shadow") if record["kind"] == "shadow" else None
-    return shadow.get("key") if isinstance(shadow, dict) else None
+    shadow = upgraded(record).get("shadow") if record["kind"] == "shadow" else None
+    return shadow.get("key") if shadow is not None else None
 
 
 #: Store writes in flight (held so they are not collected before they finish).
@@ -143,7 +142,7 @@ async def recorded_elsewhere(
             except Exception as error:  # noqa: BLE001
                 logger.debug("shadow check %s stays in the store: %s", item.key, scrub(repr(error)))
         else:
-            missing.append(item.value["record"])
+            missing.append(upgraded(item.value["record"]))
     return sorted(missing, key=lambda r: (r["turn"], r["step"]))
 
 
@@ -255,20 +254,15 @@ def _record(item: _Pending) -> RouteRecord | None:
         return None
     record = asked.record
     assert item.local is not None
-    shadow: dict[str, Any] = {
+    answer = asked.answer
+    record["shadow"] = {
         "key": item.key,
         "of_step": item.step,
         "score": item.score,
         "local_action": action(item.local),
+        "agrees": same_action(item.local, answer) if answer is not None else None,
+        "cloud_action": action(answer) if answer is not None else None,
+        "cost_usd": record["cost_usd"] if answer is not None else None,
     }
-    if asked.answer is None:
-        shadow |= {"agrees": None, "cloud_action": None, "cost_usd": None}
-    else:
-        shadow |= {
-            "agrees": same_action(item.local, asked.answer),
-            "cloud_action": action(asked.answer),
-            "cost_usd": record["cost_usd"],
-        }
-    record["extra"]["shadow"] = shadow
     telemetry.shadow_checked(record)
     return record

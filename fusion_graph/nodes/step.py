@@ -1,13 +1,29 @@
-"""Executor nodes: the plan, continuation steps on either leg, and repairs.
+"""A step of the agent loop, in the order it happens: measure, rule, budget, fit, place, ask, record.
 
-Each makes one inference through the provider chain (``providers.chain.ask``),
-checks the answer's tool batch (``dispatch.check_batch``) and writes both in
-one update. Each carries out a ``route.StepOrder`` made once (the plan's and a
-repair's here, a continuation step's by the routing rule) and never decides
-again: the budget check in the order binds the step and its fallover. Before
-the call the fit rule (``nodes.step.Sizer.prepare``) keeps the step off
-links whose window cannot hold it, compacting the history when none can; after
-it, the answering leg's report becomes that leg's anchor for the next estimate.
+One module a maintainer reads to follow a step from the tool batch that ends
+one inference to the record of the next:
+
+- **measure** (``Sizer.measure``): each link's window and the prompt on each
+  leg, anchored on the leg's last server report;
+- **rule** (``decide_step``): the score and the band, latch and pace of
+  ``routing.rule.decide_leg``, over the signals of ``sizing.turn.next_route``;
+- **budget** (``order_step``): the cloud budget's guard (``routing.rule.BudgetCheck``),
+  and the shadow check's pick; the result is one ``StepOrder``;
+- the order reaches its executor the LangGraph way: the edge after ``tools``
+  (``RouteNode.after_tools``), or the ``route`` node that joins a batch of
+  several calls, returns ``Send(leg, order.plain())``. The ``local`` and
+  ``cloud`` nodes take that payload as their input and read the state through
+  ``internals.node_state``; a run resumed from a checkpoint finds the same
+  payload in the pending ``Send``, and a stalled step keeps it in
+  ``state["stall"]`` for ``nodes.ends.unavailable`` to send again. The plan
+  and a repair decide in their own nodes. Nothing decides a step twice;
+- **fit** (``Sizer.prepare`` and ``Sizer.bounds``): links whose window cannot
+  hold the step are skipped, the history compacted when none can;
+- **place** and **ask** (``providers.chain.ask``): the one provider call,
+  placed on a llama-server slot for a local link, with the chain's fallover;
+- **record**: the answer's tool batch is checked (``nodes.tools.check_batch``)
+  and written with the step's record in one update; the answering leg's report
+  becomes its anchor for the next estimate.
 """
 
 from __future__ import annotations
@@ -15,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
@@ -33,6 +48,7 @@ from fusion_graph import prompts
 from fusion_graph.context import FusionContext, ensure_context, memory_on, thread_id_of
 from fusion_graph.errors import ChainExhausted, ContextError, StateError
 from fusion_graph.inputs import check_new_turn
+from fusion_graph.internals import node_state
 from fusion_graph.memory.background import inference_running
 from fusion_graph.memory.store import namespace_of, shadows_namespace
 from fusion_graph.nodes.memory import Recall, TurnStart
@@ -43,7 +59,16 @@ from fusion_graph.providers.llama_server import count_prompt_tokens
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
-from fusion_graph.routing.records import RouteRecord, StepKind, add_totals, make_record, records_totals
+from fusion_graph.routing.records import (
+    RecordParts,
+    RouteRecord,
+    SizingRecord,
+    StepKind,
+    add_totals,
+    joined,
+    make_record,
+    records_totals,
+)
 from fusion_graph.routing.rule import (
     UNLIMITED,
     BudgetCheck,
@@ -56,7 +81,14 @@ from fusion_graph.routing.rule import (
     expected_completion,
     plan_fit,
 )
-from fusion_graph.routing.score import Leg, RouteDecision, StepSignals
+from fusion_graph.routing.score import (
+    Leg,
+    RouteDecision,
+    StepScore,
+    StepSignals,
+    TroubleScore,
+    TroubleSignals,
+)
 from fusion_graph.sizing.compaction import Compaction, compact
 from fusion_graph.sizing.turn import (
     Estimate,
@@ -85,9 +117,9 @@ class StepSizes:
     Attributes:
         windows: Each link's window by provider id (``None``: unknown).
         estimates: The prompt on each leg of the chain.
-        budget: The score's context budget (``fit.conversation_budget``).
+        budget: The score's context budget (``routing.rule.conversation_budget``).
         score_leg: The leg whose estimate the score uses (local when the chain has one).
-        key: The fingerprint of the system prompt and tools (``estimate.fingerprint``).
+        key: The fingerprint of the system prompt and tools (``sizing.turn.fingerprint``).
     """
 
     windows: dict[str, int | None]
@@ -131,20 +163,20 @@ class Prepared:
             else dataclasses.replace(decision, reason=f"{decision.reason}; {reason}")
         )
 
-    def extra(self) -> dict[str, Any]:
-        """What the record keeps of the fit rule: its reason and the step's compactions."""
-        extra: dict[str, Any] = {}
+    def parts(self) -> RecordParts:
+        """The record's ``sizing`` from the fit rule: the rule's reason and the step's compactions."""
+        sizing = SizingRecord()
         if self.plan.reason is not None:
-            extra["fit"] = self.plan.reason
+            sizing["fit"] = self.plan.reason
         if self.compactions:
-            extra["compaction"] = {
+            sizing["compaction"] = {
                 "cleared_tool_outputs": sum(c.cleared for c in self.compactions),
                 "removed_messages": sum(c.removed for c in self.compactions),
                 "freed_tokens": sum(c.freed for c in self.compactions),
                 "need_tokens": max(c.need for c in self.compactions),
                 "times": len(self.compactions),
             }
-        return extra
+        return {"sizing": sizing} if sizing else {}
 
     def anchors(
         self, previous: Mapping[str, PromptAnchor], leg: str, reported: int | None, provider: str
@@ -315,7 +347,7 @@ class Sizer:
         turn: int,
         context: FusionContext,
     ) -> BudgetCheck:
-        """The budget guard (``budget.check_budget``) for this step, priced by ``cloud_price``.
+        """The budget guard (``routing.rule.check_budget``) for this step, priced by ``cloud_price``.
 
         The step is priced at what the thread's inferences write (``expected_completion``),
         and a cloud call's completion is capped at what the budget can still pay.
@@ -466,6 +498,11 @@ def returned_directly(state: State, tools: dict[str, BaseTool]) -> bool:
     return bool(names) and all(name in tools and tools[name].return_direct for name in names)
 
 
+#: A step's order as its ``Send`` carries it (``StepOrder.plain``): the executor node's input. Not a
+#: schema class, so LangGraph still gives the node the graph's state to read (``internals.node_state``).
+SentOrder = Mapping[str, Any]
+
+
 @dataclass(frozen=True)
 class StepOrder:
     """One inference, decided once: the leg it starts on and why, its sizes, what the budget allows.
@@ -498,6 +535,60 @@ class StepOrder:
     shadow: bool = False
     prefer_provider: str | None = None
 
+    def plain(self) -> dict[str, Any]:
+        """The order as its ``Send`` carries it: plain data, so a checkpoint holds no fusion class."""
+        plain: dict[str, Any] = _plain(self)
+        return plain
+
+    @classmethod
+    def of(cls, plain: Mapping[str, Any]) -> StepOrder:
+        """The order ``plain`` (``StepOrder.plain``) describes, rebuilt."""
+        order = _built(plain)
+        if not isinstance(order, cls):
+            raise StateError(f"a step runs on the order its routing sent it, not on {type(order).__name__}")
+        return order
+
+
+#: Where a plain value names the class it was made from.
+KIND_KEY = "__kind__"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every dataclass in it as a dict of its fields plus ``KIND_KEY``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        plain = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        plain[KIND_KEY] = type(value).__name__
+        return plain
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value  # numbers, text, flags and None
+
+
+def _built(value: Any) -> Any:
+    """``value`` (a ``_plain`` form) with each dict that names a class of an order built as that class."""
+    if not isinstance(value, Mapping):
+        return value
+    fields = {key: _built(item) for key, item in value.items() if key != KIND_KEY}
+    kind = value.get(KIND_KEY)
+    return fields if kind is None else ORDER_PARTS[kind](**fields)
+
+
+#: The classes an order is made of, by name (``_built`` makes each again from its plain form).
+ORDER_PARTS: dict[str, Callable[..., Any]] = {
+    part.__name__: part
+    for part in (
+        StepOrder,
+        RouteDecision,
+        StepScore,
+        TroubleScore,
+        StepSignals,
+        TroubleSignals,
+        StepSizes,
+        Estimate,
+        BudgetCheck,
+    )
+}
+
 
 def over_budget(order: StepOrder, prepared: Prepared) -> tuple[RouteRecord, AIMessage]:
     """The record and the reply of a step only a cloud window can hold, when the cloud budget refuses it.
@@ -512,7 +603,9 @@ def over_budget(order: StepOrder, prepared: Prepared) -> tuple[RouteRecord, AIMe
         kind=order.kind,
         decision=prepared.decided(order.decision),
         signals=order.signals,
-        extra={"outcome": "over_budget", "cloud_budget": why, "fit": fit},
+        outcome={"status": "over_budget"},
+        budget={"over": why},
+        sizing={"fit": fit},
     )
     return record, AIMessage(prompts.OVER_BUDGET.format(fit=fit, why=why))
 
@@ -619,59 +712,13 @@ def routing_update(
 
 @dataclass(frozen=True)
 class Routed:
-    """Where the turn goes after a batch and, for a step on a leg, the order that sends it there.
+    """Where the turn goes after a batch: a node, the next wave's ``Send``s, or a step's ``Send``.
 
-    Attributes:
-        goto: The destination(s): a node name, ``[leg, "memory"]``, or the next wave's ``Send``s.
-        order: The step's order (``None``: not a step on a leg).
-        update: State the decision moves besides the step (the escalation latch, the pace's tally).
+    A step on a leg is ``Send(leg, order.plain())``: its order travels with it
+    (and is checkpointed with it), so the executor carries out this very decision.
     """
 
-    goto: Destination | list[Send | Destination]
-    order: StepOrder | None = None
-    update: dict[str, Any] = field(default_factory=dict)
-
-
-#: A kept order's key: thread, step, id of the batch's last tool result.
-OrderKey = tuple[str, int, str]
-
-
-#: Decisions kept for executors at most (a step takes its own at once; this only bounds a leak).
-ORDERS_KEPT = 4096
-
-
-class StepOrders:
-    """Decisions the edge made, kept in process for the executor that carries them out.
-
-    Keyed by ``step_key``: the executor of that step takes it. One
-    that finds none (a run resumed in another process) routes the state again:
-    the rule is a function of the state, so it decides the same.
-    """
-
-    def __init__(self) -> None:
-        """An empty table."""
-        self._kept: OrderedDict[OrderKey, Routed] = OrderedDict()
-
-    def give(self, key: OrderKey, routed: Routed) -> None:
-        """Keep ``routed`` for the executor of ``key``."""
-        self._kept[key] = routed
-        while len(self._kept) > ORDERS_KEPT:
-            self._kept.popitem(last=False)
-
-    def take(self, key: OrderKey) -> Routed | None:
-        """The decision kept for ``key`` (once), or ``None``."""
-        return self._kept.pop(key, None)
-
-
-def step_key(state: State, thread_id: str) -> OrderKey:
-    """The step ``state`` is about to run, as an order's key: its thread, its step, the batch's last result.
-
-    The last message's id (set once, by ``add_messages``) tells two runs without
-    a ``thread_id`` apart.
-    """
-    messages = state.get("messages") or []
-    last = str(messages[-1].id) if messages else ""
-    return thread_id, next_step(state), last
+    goto: Destination | Send | list[Send | Destination]
 
 
 class RouteNode:
@@ -690,7 +737,6 @@ class RouteNode:
     ) -> None:
         """Keep what the decision needs."""
         self.count_tokens, self.tools, self.memory_on, self.sizer = count_tokens, tools, memory_on, sizer
-        self.orders = StepOrders()
 
     async def decide(self, state: State, runtime: Runtime[FusionContext], thread_id: str) -> Routed:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
@@ -712,20 +758,15 @@ class RouteNode:
         order = await decide_step(
             self.sizer, state, context, self.count_tokens, tools, plan=False, turn=turn, thread_id=thread_id
         )
-        leg = order.decision.leg
-        update = routing_update(state, order.decision, context, state.get("route_log", []))
+        sent = Send(order.decision.leg, order.plain())
         every = context.memory_every_k_steps
-        goto: Destination | list[Send | Destination] = leg
         if every and step % every == 0 and self.memory_on(runtime):
-            goto = [leg, "memory"]  # beside the next step
-        return Routed(goto=goto, order=order, update=update)
+            return Routed(goto=[sent, "memory"])  # beside the next step
+        return Routed(goto=sent)
 
     async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
-        """The ``route`` node: a joined batch's decision, handed to the executor in process."""
-        thread_id = thread_id_of(get_config())
-        routed = await self.decide(state, runtime, thread_id)
-        if routed.order is not None:
-            self.orders.give(step_key(state, thread_id), routed)
+        """The ``route`` node: a joined batch's decision, sent on with its order."""
+        routed = await self.decide(state, runtime, thread_id_of(get_config()))
         return Command(goto=routed.goto)
 
     async def after_tools(self, state: State, runtime: Runtime[FusionContext], config: RunnableConfig) -> Any:
@@ -736,11 +777,8 @@ class RouteNode:
         """
         if pending_calls(state["messages"]):
             return "route"
-        thread_id = thread_id_of(config)  # an untraced edge: ``get_config`` has no run to read
-        routed = await self.decide(state, runtime, thread_id)
-        if routed.order is not None:
-            self.orders.give(step_key(state, thread_id), routed)
-        return routed.goto
+        # An untraced edge: ``get_config`` has no run to read.
+        return (await self.decide(state, runtime, thread_id_of(config))).goto
 
 
 #: State fields with reducers: what a node writes there is always new.
@@ -772,10 +810,9 @@ class InferenceNodes:
         count_tokens: TokenCounter,
         recall: Recall | None = None,
         sizer: Sizer | None = None,
-        route: RouteNode | None = None,
         graph_name: str = "fusion",
     ) -> None:
-        """Keep what every inference needs; ``route``: the rule whose decisions the steps carry out.
+        """Keep what every inference needs.
 
         ``graph_name``: the store namespace's assistant when a run names none (finished shadow checks).
         """
@@ -786,7 +823,6 @@ class InferenceNodes:
         self.count_tokens = count_tokens
         self.recall = recall
         self.sizer = sizer or Sizer(resolver, self.tools, count_tokens)
-        self.route = route
         self.shadows = ShadowChecks()
 
     async def _infer(
@@ -831,7 +867,7 @@ class InferenceNodes:
                     tools=self.tools,
                     signals=order.signals,
                     prefer_provider=order.prefer_provider,
-                    extra=prepared.extra() | check.extra(),
+                    parts=joined(prepared.parts(), check.parts()),
                 )
                 asked = await ask(
                     call,
@@ -861,6 +897,8 @@ class InferenceNodes:
                 "route_log": [record, *shadows],
                 "stall": {"node": node, "message": message, "retry_in_s": retry_in},
             }
+            if kind == "step":  # a resume sends the same order again (``nodes.ends.unavailable``)
+                stalled["stall"]["order"] = order.plain()
             if shadows:  # shadows that finished meanwhile were paid for all the same
                 stalled["totals"] = records_totals(shadows)
             return stalled, False
@@ -960,33 +998,30 @@ class InferenceNodes:
         update.setdefault("repair_attempts", 0)
         return update
 
-    async def _continue(self, leg: Leg, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """Carry out the order that sent this step here: kept for it in process, else the rule's again.
+    async def _continue(
+        self, leg: Leg, plain: Mapping[str, Any], runtime: Runtime[FusionContext]
+    ) -> dict[str, Any]:
+        """Carry out the order the routing edge sent with this step (its ``Send`` payload).
 
-        A run resumed in another process finds no order kept for it; the rule is a function
-        of the state, so applied again it decides the same.
+        The payload is the order, not the state: the state is read as the node
+        would see it. A run resumed from a checkpoint finds the same payload in the
+        pending ``Send``, so the step is never decided twice.
         """
-        if self.route is None:
-            raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
-        thread_id = thread_id_of(get_config())
-        routed = self.route.orders.take(step_key(state, thread_id))
-        routed = routed or await self.route.decide(state, runtime, thread_id)
-        order = routed.order
-        if order is None:
-            raise StateError(f"the {leg} step runs only on a decision the routing rule made for it")
-        if order.decision.leg != leg:  # a resume whose rule now reads otherwise: the leg already chosen holds
-            reason = f"{order.decision.reason} (routed {leg} before)"
-            decision = dataclasses.replace(order.decision, leg=leg, reason=reason)
-            order = dataclasses.replace(order, node=leg, decision=decision, shadow=False)
+        order = StepOrder.of(plain)
+        if order.decision.leg != leg:
+            raise StateError(f"a step ordered on the {order.decision.leg} leg was sent to the {leg} node")
+        state: State = node_state(get_config())
+        context = ensure_context(runtime.context)
+        moved = routing_update(state, order.decision, context, state.get("route_log", []))
         update, _ = await self._infer(order, state, runtime)
-        return {**routed.update, **update}
+        return {**moved, **update}
 
-    async def local(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """A continuation step routed to the local model (llama-server)."""
+    async def local(self, state: SentOrder, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step routed to the local model (llama-server), on the order sent with it."""
         return await self._continue("local", state, runtime)
 
-    async def cloud(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
-        """A continuation step routed to the cloud model."""
+    async def cloud(self, state: SentOrder, runtime: Runtime[FusionContext]) -> dict[str, Any]:
+        """A continuation step routed to the cloud model, on the order sent with it."""
         return await self._continue("cloud", state, runtime)
 
     async def repair(self, state: State, runtime: Runtime[FusionContext]) -> dict[str, Any]:
@@ -1025,7 +1060,7 @@ class InferenceNodes:
 
 
 def _over_budget_end(order: StepOrder, prepared: Prepared) -> dict[str, Any]:
-    """End the turn with ``route.over_budget``'s record and reply (the history as prepared)."""
+    """End the turn with ``over_budget``'s record and reply (the history as prepared)."""
     record, reply = over_budget(order, prepared)
     return {
         "messages": [*prepared.changes, reply],

@@ -4,7 +4,7 @@ With ``resynthesize="local_replies"``, a turn whose last inference was a local
 reply gets one more inference on the cloud leg only (never a fallover to
 local): the conversation up to that reply plus an instruction to write the
 final reply. Its answer replaces the local draft in the thread (same message
-id); the draft stays in the record (``kind="synthesis"``, ``extra.draft``),
+id); the draft stays in the record (``kind="synthesis"``, its ``synthesis``'s ``draft``),
 which is priced and counts against the cloud budgets. When the budget does not
 allow it, no cloud provider is up, or the answer asks for tools, the local
 reply stands and the record says why. The local conversation is not sent to
@@ -28,7 +28,7 @@ from fusion_graph.context import FusionContext, ensure_context, thread_id_of
 from fusion_graph.errors import ProviderRequestError, StateError
 from fusion_graph.nodes.step import Sizer
 from fusion_graph.providers.chain import ROUTE_EVENT, Ask, Bounds, ask
-from fusion_graph.routing.records import make_record, totals_of
+from fusion_graph.routing.records import SynthesisRecord, make_record, totals_of
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.turn import build_prompt, last_ai
 from fusion_graph.state import Answered, State
@@ -74,7 +74,7 @@ class SynthesisNode:
         anchors, log = state.get("anchors") or {}, state.get("route_log", [])
         # Sized as a cloud-only run: llama-server is not asked to count a prompt it will not see.
         sizes = await self.sizer.measure(chain, history, anchors, dataclasses.replace(context, mode="cloud"))
-        kept = {"draft": draft.text, "draft_id": draft.id}
+        kept = SynthesisRecord(draft=draft.text, draft_id=draft.id)
         why = "no cloud provider in this run's chain" if not cloud.links else None
         why = why or self.sizer.check_budget(chain, sizes, anchors, log, turn, context).over
         if why is not None:
@@ -87,7 +87,7 @@ class SynthesisNode:
             prompt=build_prompt(context.system_prompt, history),
             thread_id=thread_id_of(get_config()),
             tools=self.tools,
-            extra=kept,
+            parts={"synthesis": kept},
         )
         bounds = Bounds(
             windows=sizes.windows,
@@ -102,10 +102,16 @@ class SynthesisNode:
             return self._skipped(runtime, turn, step, decision, f"cloud refused it: {refused}", kept)
         answer, record = asked.answer, asked.record
         if answer is None:
-            record["extra"]["skipped"] = f"cloud is down, the local reply stands: {asked.exhausted}"
+            record["synthesis"] = {
+                **kept,
+                "skipped": f"cloud is down, the local reply stands: {asked.exhausted}",
+            }
             return {"route_log": [record]}
         if answer.tool_calls or answer.invalid_tool_calls or not answer.text.strip():
-            record["extra"]["skipped"] = "the cloud answer was not a reply (tool calls or empty): draft kept"
+            record["synthesis"] = {
+                **kept,
+                "skipped": "the cloud answer was not a reply (tool calls or empty): draft kept",
+            }
             return {"route_log": [record], "totals": totals_of(record)}
         reply = AIMessage(
             content=answer.content,
@@ -122,11 +128,11 @@ class SynthesisNode:
         step: int,
         decision: RouteDecision,
         why: str,
-        kept: dict[str, Any],
+        kept: SynthesisRecord,
     ) -> dict[str, Any]:
         """No call made: the record says why, and the local reply stands."""
         record = make_record(
-            turn=turn, step=step, kind="synthesis", decision=decision, extra={**kept, "skipped": why}
+            turn=turn, step=step, kind="synthesis", decision=decision, synthesis={**kept, "skipped": why}
         )
         runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
         return {"route_log": [record]}

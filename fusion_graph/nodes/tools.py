@@ -1,17 +1,34 @@
-"""The ``tools`` node: LangGraph's ``ToolNode``, one call per task, with the graph's hook around each call.
+"""The ``tools`` node and what happens to a tool call between the answer that asks for it and the next step.
 
-Each call of a batch runs as its own task (``Send``); every task then goes to
-``route`` by a plain edge, which joins the batch and decides the next step
-(the route is decided in that one place). Three things go through
-``ToolNode``'s own ``awrap_tool_call`` hook (``wrap_tool_call``):
+A call is checked, dispatched, run and capped here, so the rules a batch meets
+read in one place, in the order they apply:
 
-- each call runs in a ``sampling_scope``, so the records of MCP sampling
-  requests answered during it (``fusion_graph.providers.sampling``) join the
-  thread's ``route_log`` and ``totals`` with the call's result (a ``Command``
-  update), and stream as outcome events;
-- the operator's keys are scrubbed from the result before the model or the
-  checkpoint sees it;
-- each result is capped to ``max_tool_output_tokens`` (``fusion_graph.nodes.tools``).
+- **The batch rules** (``check_batch``, ``plan_batch``), pure over messages and
+  tools, run inside the executor that received the answer, so the rejections,
+  the notice and the repair flag are written with the answer itself. Malformed
+  calls (langchain-core's ``invalid_tool_calls``, unknown tool names, arguments
+  that fail the tool's schema) are not executed and send the turn to
+  ``repair``; calls beyond ``max_tool_calls_per_step`` are trimmed; a call
+  repeated ``loop_repeat_limit`` times in the turn trips the loop detector.
+  Trimming and loops are *transient notices* that raise the next step's score.
+- **Dispatch** (``sends``): what passes goes to LangGraph's own ``ToolNode`` one
+  call per ``Send``, as LangChain's ``create_agent`` does: each finished call is
+  checkpointed on its own, interrupts and ``Command`` returns propagate, and
+  ``InjectedState``, ``InjectedStore`` and ``ToolRuntime`` work. Calls that touch
+  the same file run in batch order, one wave per superstep. After each task the
+  routing edge (``fusion_graph.nodes.step.RouteNode``) routes a batch that task
+  completed; a batch of several calls joins at the ``route`` node first.
+- **The hook** (``wrap_tool_call``, ``ToolNode``'s own ``awrap_tool_call``): each
+  call runs in a ``sampling_scope``, so the records of MCP sampling requests
+  answered during it (``fusion_graph.providers.sampling``) join the thread's
+  ``route_log`` and ``totals`` with the call's result (a ``Command`` update) and
+  stream as outcome events; the operator's keys are scrubbed from the result
+  before the model or the checkpoint sees it.
+- **The output cap** (``cap_output``): a result longer than
+  ``max_tool_output_tokens`` keeps its head and tail, with a marker saying how
+  much was cut. The message is marked (``CUT_KEY``) so the next step's score
+  gets the transient notice, as for a trimmed batch; the mark lives on the
+  message, not in a state field, because parallel calls would each write it.
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """Who answers an inference: providers, their health, the chain that walks them, and what it cost.
 
-- ``models``: a provider (leg, model, endpoint) and the default chat models built from the settings
+- ``models``: a provider (``Provider``: id, leg, model, prices, window), closing the clients its
+  model owns, and the default chat models built from the settings
 - ``openai_compatible``: ``ChatOpenAI`` with repairable tool-call arguments
 - ``llama_server``: llama-server as the local leg (chat model, ``/props``, counting, the start line)
 - ``http``: HTTP transports per event loop
-- ``discovery``: what the local servers say about themselves (slots, windows, where to count)
 - ``slots``: slot affinity in one process (each thread keeps its llama-server slot, per box too)
 - ``placement``: where a local request goes (``Placer``): this process's slots, or shared leases
-- ``health``: classify an error; one provider's circuit (cooldown, probe)
-- ``links``: a provider in the chain (``Provider``) and closing the clients its model owns
-- ``chain``: fallover between providers (``ProviderChain``), cooldowns shared through a board
+- ``chain``: the one provider call (``ask``), recorded; fallover between providers
+  (``ProviderChain``); error classes and each provider's circuit (cooldown, probe)
 - ``pricing``: per-provider prices and a thread's totals
-- ``resolver``: the chain a run's context resolves to, and the graph's placement
-- ``measure``: windows, budgets and prompt estimates of a step (the I/O around ``sizing``)
-- ``ask``: the one provider call, recorded
+- ``resolver``: the chain a run's context resolves to, what the local servers say about themselves
+  (slots, windows), and the graph's placement
 - ``sampling``: MCP sampling requests answered through the chain
 """
 

@@ -1,19 +1,51 @@
-"""The provider chain: who answers a step when the routed provider cannot.
+"""Who answers a step: the one provider call, the chain it walks, and each provider's health.
 
-Providers (``Provider``) sit in one ordered list across both legs, each with a
-circuit (``Health``): failures within a window put it in cooldown, the first
-use after the cooldown is a probe (half-open), and the probe closes or
-re-opens the circuit. A call's start is, in order: ``prefer_provider``
-(repairs), the first link of ``preferred_leg`` (the router), the operator's
-override, the first available link; a start in cooldown, or one whose window
-cannot hold the request (``fits``), is skipped. So the
-routed leg beats the override, which is only the default start, and a routed
-call never touches the override. On a failure the walk resumes from the head,
-skipping links that already failed in this call: local down runs on cloud and
-vice versa, and a request that overflowed a window walks on to a larger one.
-A half-open link used as a preferred start is probed (its circuit learns
-from the call) but not *reported* as a probe: ``probe`` says the chain's
-health logic, not the router, chose the link.
+Every inference comes through ``ask``, which walks the ``ProviderChain``, which
+falls over on what the health code says of an error: the three are one path,
+read top to bottom here.
+
+**Health.** ``classify`` names an inference error (rate limited, timeout,
+context overflow, malformed answer, ...); a ``Health`` circuit per provider
+turns failures within a window into a cooldown, makes the first use after it a
+probe (half-open), and lets the probe close or re-open the circuit. It is pure
+code over explicit ``now`` values, so cooldown timing is testable with an
+injected clock; a ``HealthBoard`` shares cooldowns between processes.
+
+**The chain.** Providers (``Provider``) sit in one ordered list across both
+legs. A call's start is, in order: ``prefer_provider`` (repairs), the first
+provider of ``preferred_leg`` (the router), the operator's override, the first
+available provider; a start in cooldown, or one whose window cannot hold the
+request (``fits``), is skipped. So the routed leg beats the override, which is
+only the default start, and a routed call never touches the override. On a
+failure the walk resumes from the head, skipping providers that already failed
+in this call: local down runs on cloud and vice versa, and a request that
+overflowed a window walks on to a larger one. A half-open provider used as a
+preferred start is probed (its circuit learns from the call) but not
+*reported* as a probe: ``probe`` says the chain's health logic, not the
+router, chose it.
+
+**The call.** ``ask`` serves every inference: the steps (plan, continuation
+steps, repairs), the re-synthesis of a reply, the memory jobs, MCP samples and
+shadow checks (every ``routing.records.StepKind``). So every call is made and
+recorded the same way:
+
+- a local provider gets the request's ``Placement`` (the slot as ``id_slot`` +
+  ``cache_prompt``, its headers), decided per provider actually called by the
+  graph's one ``Placer``, never from whichever provider is "active";
+- every attempt is bounded: ``timeout_s`` (``asyncio.timeout``, so injected
+  models too), a completion budget sent as ``max_tokens``, and the providers
+  the fit rule allows (``Bounds``); a response the model cannot parse is a
+  malformed answer (a health failure, so the chain falls over), never an
+  uncaught exception;
+- one ``route_log`` entry (who answered, which attempts failed before, what it
+  cost at the answering provider's prices), also for a call no provider
+  answered (``routing.records.make_record``);
+- a slot's priming request (``prime_slot``, before a memory job) is built by
+  the same request builder on the same placement, and is never recorded;
+- where a ``writer`` is given, two custom stream events
+  (``stream_mode="custom"``: the decision before the call, the outcome after),
+  and leg/score tags and metadata on the model run (LangGraph Studio and
+  LangSmith traces show them).
 """
 
 from __future__ import annotations
@@ -58,9 +90,12 @@ from fusion_graph.redact import scrub, scrub_content
 from fusion_graph.routing.records import (
     Attempt,
     ErrorClass,
+    RecordParts,
     RouteRecord,
+    SizingRecord,
     StepKind,
     in_all_cloud_baseline,
+    joined,
     make_record,
 )
 from fusion_graph.routing.score import Leg, RouteDecision, StepSignals
@@ -635,7 +670,7 @@ class ProviderChain:
             preferred_leg: The router's leg; the walk starts at that leg's first link.
             prefer_provider: A provider id to start at before that (repairs).
             on_attempt: Called with each failed attempt as it happens.
-            fits: Whether a link can hold the request (``fit.fits``); links that cannot are
+            fits: Whether a link can hold the request (``routing.rule.fits``); links that cannot are
                 skipped like links in cooldown. Asked again before each next link, so an
                 attempt that overflowed a window (``context_overflow``, seen by ``on_attempt``)
                 can rule out every link no larger.
@@ -819,7 +854,7 @@ class Ask:
         max_tokens: The completion budget where ``Bounds.max_tokens`` does not name the link.
         config: The run's config (callbacks); ``None``: the one of the run this is called in, if any.
         tags: More tags for the model run (e.g. ``nostream``).
-        extra: Joins the record's ``extra``.
+        parts: Sub-records the record takes, joined over what the call records itself.
         send: How each attempt goes out (``None``: the link's model with ``tools`` bound, ``ainvoke``).
     """
 
@@ -838,7 +873,7 @@ class Ask:
     max_tokens: int | None = None
     config: RunnableConfig | None = None
     tags: Sequence[str] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    parts: RecordParts = field(default_factory=lambda: RecordParts())
     send: Sender | None = None
 
 
@@ -1118,7 +1153,7 @@ async def ask(
             decision=decision,
             signals=call.signals,
             attempts=exhausted.attempts,
-            extra={"outcome": "exhausted", "retry_in_s": exhausted.retry_in_s, **call.extra},
+            **joined({"outcome": {"status": "exhausted", "retry_in_s": exhausted.retry_in_s}}, call.parts),
         )
         if writer is not None:
             writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
@@ -1127,14 +1162,17 @@ async def ask(
         return Asked(None, record, exhausted)
     link = outcome.provider
     placement = sent.get(link.id, NOWHERE)
-    extra: dict[str, Any] = dict(placement.notes)
+    sizing = SizingRecord()
     estimate = bounds.estimates.get(link.leg)
     if estimate is not None:
-        extra |= {"estimated_prompt_tokens": estimate.tokens, "estimate_basis": estimate.basis}
+        sizing |= {"estimate": estimate.tokens, "estimate_basis": estimate.basis}
     if link.id in bounds.windows:
-        extra["window"] = bounds.windows[link.id]
+        sizing["window"] = bounds.windows[link.id]
     if link.id in bounds.max_tokens:
-        extra["max_tokens"] = bounds.max_tokens[link.id]
+        sizing["max_tokens"] = bounds.max_tokens[link.id]
+    parts = RecordParts(sizing=sizing)
+    if placement.notes:
+        parts["placement"] = placement.notes
     record = answered_record(
         outcome,
         turn=call.turn,
@@ -1143,7 +1181,7 @@ async def ask(
         decision=decision,
         signals=call.signals,
         slot=placement.slot if placement.body(link.leg) is not None else None,
-        extra={**extra, **call.extra},
+        parts=joined(parts, call.parts),
     )
     if writer is not None:
         writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
@@ -1199,7 +1237,7 @@ def answered_record(
     decision: RouteDecision,
     signals: StepSignals | None,
     slot: int | None,
-    extra: dict[str, Any] | None = None,
+    parts: RecordParts | None = None,
 ) -> RouteRecord:
     """The record of an inference the chain got an answer for, priced at the answering provider."""
     link = outcome.provider
@@ -1214,7 +1252,10 @@ def answered_record(
         answer=outcome.answer,
         slot=slot,
         attempts=outcome.attempts,
-        extra={"probe": outcome.probe, "latency_s": round(outcome.latency_s, 4), **(extra or {})},
+        **joined(
+            RecordParts(outcome={"probe": outcome.probe, "latency_s": round(outcome.latency_s, 4)}),
+            parts or {},
+        ),
     )
     record["cost_usd"] = price(
         link.pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]

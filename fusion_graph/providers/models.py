@@ -1,9 +1,16 @@
 """Providers: who answers a leg's inference, and the default models built from the settings.
 
-A ``Provider`` is an id, the leg it serves and its chat model. Default models
-are OpenAI-compatible ``ChatOpenAI`` clients with their own HTTP client (so
-closing a provider really releases its connections) and no client-side
-retries: the provider chain is the retry.
+A ``Provider`` is one answering endpoint of the chain: an id (as recorded in
+``route_log``), the leg it serves, its chat model, its prices, its window and
+the base URL read once from the model. The chain, the placement, the fit rule
+and the records all take this one class, so what a provider is lives beside
+how it is built and closed.
+
+Default models are OpenAI-compatible ``ChatOpenAI`` clients with their own HTTP
+client and no client-side retries: the provider chain is the retry. Closing a
+provider (``Provider.aclose``, once) closes only the HTTP clients its model
+owns (``owned_clients``), so it really releases its connections without
+breaking a sibling that shares langchain-openai's cached client.
 """
 
 from __future__ import annotations

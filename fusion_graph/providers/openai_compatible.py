@@ -8,7 +8,7 @@ sends to ``repair`` on the same leg like any malformed call.
 
 An answer that is not a chat completion at all (no ``choices``, a choice
 without a message, tool calls whose ``function`` or ``arguments`` are not what
-the API defines) raises ``health.MalformedAnswer``: the provider's fault, so
+the API defines) raises ``errors.MalformedAnswer``: the provider's fault, so
 the chain counts it against the provider's health and falls over.
 
 Streaming (what LangGraph Studio and the server make every model do) gets the

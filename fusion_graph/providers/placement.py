@@ -51,6 +51,7 @@ from fusion_graph.errors import causes
 from fusion_graph.providers.llama_server import ServerProps, slot_states, warm_slot
 from fusion_graph.providers.models import Provider
 from fusion_graph.providers.slots import SlotPool, box_name, routing_key
+from fusion_graph.routing.records import PlacementRecord
 from fusion_graph.routing.score import Leg
 from fusion_graph.settings import FusionSettings
 
@@ -68,7 +69,7 @@ class Placement:
         slot: The llama-server slot (``id_slot``); ``None``: not a llama-server, or none known.
         headers: Headers the request carries (the routing key), ``None``: none.
         box: The box the placer chose (``None``: the local endpoint itself).
-        notes: What the record keeps about the placement (``extra``), e.g. a fallback's reason.
+        notes: What the record keeps about the placement (its ``placement``), e.g. a fallback's reason.
         model: The model that reaches ``box`` directly (``None``: the link's own model).
         turn: The slot's turn, held around the request (``None``: no slot is named).
     """
@@ -76,7 +77,7 @@ class Placement:
     slot: int | None = None
     headers: Mapping[str, str] | None = None
     box: str | None = None
-    notes: Mapping[str, Any] = field(default_factory=dict)
+    notes: PlacementRecord = field(default_factory=lambda: PlacementRecord())
     model: BaseChatModel | None = None
     """The model that reaches ``box`` directly (``None``: the link's own model)."""
     turn: Turn | None = None
@@ -261,7 +262,7 @@ class LeasedPlacement:
     out for ``BOX_DOWN_S`` and its threads move (``unreachable``). Each box's
     slots are warmed once on first contact (``warm_slot``). With the
     deployment's table (``SharedState``), a database that cannot be reached
-    places the request on no slot and the record says so (``extra.placement``);
+    places the request on no slot and the record says so (``placement.lease``);
     a turn never fails over it.
     """
 
@@ -386,13 +387,13 @@ class LeasedPlacement:
         except SharedStateUnavailable as error:
             logger.debug("a local request names no slot: %s", error)  # the outage itself is logged once
             box = before[0].box if before is not None and before[0].box in boxes else spread(holder, boxes)
-            return await self._placement(link, thread_id, box, None, {"placement": f"unplaced: {error}"})
+            return await self._placement(link, thread_id, box, None, {"lease": f"unplaced: {error}"})
         await self._warm(link, pool, claim.box, slots)
-        notes: dict[str, Any] = {"placement": "shared"} if self.shared_locks is not None else {}
+        notes = PlacementRecord(lease="shared") if self.shared_locks is not None else PlacementRecord()
         if len(self.boxes) > 1 or self.shared_locks is not None:
             notes["box"] = claim.box
         if home is not None and home != claim.box and home not in boxes:
-            notes["box_moved_from"] = home  # its box stopped answering: one cold prefill here
+            notes["moved_from"] = home  # its box stopped answering: one cold prefill here
         if claim.took_from is not None:
             notes["took_idle_slot"] = True
         if claim.guest:
@@ -411,7 +412,7 @@ class LeasedPlacement:
         return boxes[0]
 
     async def _placement(
-        self, link: Provider, thread_id: str, box: str, slot: int | None, notes: dict[str, Any]
+        self, link: Provider, thread_id: str, box: str, slot: int | None, notes: PlacementRecord
     ) -> Placement:
         model = await self.box_model(box) if self.box_model is not None and len(self.boxes) > 1 else None
         turn: Turn = self._unnamed_turn if slot is None else self._turn
@@ -471,7 +472,7 @@ class LeasedPlacement:
             give_back: GiveBack | None = await self._take(box, slot, self._wait_s())
         except SharedStateUnavailable as error:  # no turn across processes: name no slot
             give_back = None
-            notes = {**placement.notes, "placement": f"unplaced: {error}"}
+            notes: PlacementRecord = {**placement.notes, "lease": f"unplaced: {error}"}
             unplaced = dataclasses.replace(placement, slot=None, turn=None, notes=notes)
         if give_back is None:
             async with self._unnamed_turn(unplaced) as sent:

@@ -1,13 +1,20 @@
-"""Resolve, for a run's context, the provider chain its inferences go through.
+"""Resolve, for a run's context, the provider chain its inferences go through, and what its servers say.
 
 The graph owns one ``ProviderResolver``, built from the operator's
 ``FusionSettings``; a run's context can only narrow them (``settings.narrow``).
-Links (a provider with its pricing) are built once per distinct setting and
+Providers (each with its pricing) are built once per distinct setting and
 shared by every chain that uses them, so a run that picks another allowed
 cloud model never closes a provider another chain or an in-flight step still
-uses; ``aclose`` closes each link exactly once. It also holds what the local
-servers said about themselves (``discovery.LocalServers``) and the placement of
-local requests (``placement``), both of which outlive single runs.
+uses; ``aclose`` closes each provider exactly once.
+
+The resolver also holds what outlives single runs: the placement of local
+requests (``placement``) and what the local servers said about themselves
+(``LocalServers``). They live here because a provider's window is part of
+resolving it: llama-server says its slot count and per-slot window at
+``GET /props``; the resolver asks once per server (a gateway: each box behind
+it, which must agree) and keeps the answer. A server that is not llama-server
+is logged once and then runs without slot affinity; one that cannot be reached
+is asked again next time.
 """
 
 from __future__ import annotations
@@ -200,9 +207,6 @@ class LocalServers:
         if isinstance(limit, int) and limit > 0:
             return limit
         return DEFAULT_CLOUD_WINDOW if link.leg == "cloud" else None
-
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ graph's own ``ProviderChain``:
   tool call of a graph run, collected for that thread's ``route_log`` and
   ``totals`` (the ``tools`` node opens a ``sampling_scope`` around each call).
 
-The scope travels in a ``ContextVar``. ``MultiServerMCPClient.get_tools()``
-without a session opens a fresh MCP session *inside* each tool call, so the
-session's receive task (which runs this callback) inherits the tool call's
-context and finds the scope. A long-lived session opened outside the run has
-its own context: its records are on ``SamplingCallback.records`` only.
+The scope travels in a ``ContextVar`` (``fusion_graph.context.current_scope``).
+``MultiServerMCPClient.get_tools()`` without a session opens a fresh MCP
+session *inside* each tool call, so the session's receive task (which runs this
+callback) inherits the tool call's context and finds the scope. A long-lived
+session opened outside the run has its own context: its records are on
+``SamplingCallback.records`` only.
 
 ``mcp`` is an optional dependency (``pip install 'fusion-graph[mcp]'``): this
-module imports without it (the ``tools`` node imports the scope), and only
-building or calling a callback needs it.
+module imports without it, and only building or calling a callback needs it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from fusion_graph.providers.chain import Ask, Bounds, ProviderChain, ask
 from fusion_graph.providers.pricing import step_price
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.redact import scrub
-from fusion_graph.routing.records import RouteRecord, make_record
+from fusion_graph.routing.records import RecordParts, RouteRecord, joined, make_record
 from fusion_graph.routing.rule import UNLIMITED, BudgetCheck, check_budget, expected_completion
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.turn import approximate_tokens
@@ -255,16 +255,18 @@ class SamplingCallback:
         kwargs = sampling_kwargs(params, context)
         thread = scope.thread_id if scope is not None else (_run_thread() or OUTSIDE_THREAD)
         turn, step = (scope.turn, scope.step) if scope is not None else (0, 0)
-        extra: dict[str, Any] = {
-            "thread_id": thread,
-            "in_run": scope is not None,
-            "max_tokens": kwargs["max_tokens"],
-            "requested_max_tokens": params.maxTokens,
-        }
+        parts = RecordParts(
+            sampling={
+                "thread_id": thread,
+                "in_run": scope is not None,
+                "requested_max_tokens": params.maxTokens,
+            },
+            sizing={"max_tokens": kwargs["max_tokens"]},
+        )
         check = self._check_budget(chain, prompt, kwargs["max_tokens"], context, scope)
         if check.over is not None:  # cloud only within the run's budget: not as the start, not as a fallover
             decision = check.guard(decision)
-            extra["cloud_budget"] = check.over
+            parts["budget"] = {"over": check.over}
             local_only: tuple[Leg, ...] = ("local",)
             chain = chain.only(local_only)
         call = Ask(
@@ -277,7 +279,7 @@ class SamplingCallback:
             reflection=True,  # the memory jobs' slot: a sample never evicts a conversation's cache
             kwargs=kwargs,
             tags=(TAG_NOSTREAM,),  # not a step of the run: kept out of its messages stream
-            extra=extra,
+            parts=parts,
         )
         timeout_s = self.resolver.settings.request_timeout
         try:
@@ -296,14 +298,14 @@ class SamplingCallback:
                 kind="sampling",
                 decision=decision,
                 attempts=getattr(failure, "attempts", ()),
-                extra={**extra, "outcome": "failed", "error": failed[:500]},
+                **joined(parts, {"outcome": {"status": "failed", "error": failed[:500]}}),
             )
             self._keep(record, scope)
             message = f"no provider answered the sampling request: {failed}"
             return types.ErrorData(code=types.INTERNAL_ERROR, message=message)
         answer, record = asked.answer, asked.record
         reason_of_stop = stop_reason(answer, kwargs.get("stop"))
-        record["extra"]["stop_reason"] = reason_of_stop
+        record.setdefault("outcome", {})["stop_reason"] = reason_of_stop
         self._keep(record, scope)
         return types.CreateMessageResult(
             role="assistant",

@@ -106,7 +106,7 @@ def fraction_at(
     (the plan on cloud; the band's leg from ``routing.rule.band_leg``, as the graph decides it),
     on ``(step, points)`` pairs; ``tests/unit/replay/test_calibration.py`` checks they agree.
     With ``troubles`` (``trouble_signals``: each step's trouble points, points without them and
-    progress event) the escalation latch applies as well (``routing.latch_rule``).
+    progress event) the escalation latch applies as well (``routing.rule.latch_rule``).
     """
     steps = cloud = 0
     for index, trace in enumerate(traces):

@@ -138,7 +138,7 @@ async def label_step(
         agrees=same_action(asked.answer, item.recorded),
         provider=record["provider"],
         completion_tokens=record["completion_tokens"],
-        latency_s=record["extra"].get("latency_s"),
+        latency_s=record.get("outcome", {}).get("latency_s"),
     )
 
 

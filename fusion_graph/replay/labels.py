@@ -31,7 +31,7 @@ from fusion_graph.context import FusionContext
 from fusion_graph.errors import TraceError
 from fusion_graph.replay.history import route_history, split_system
 from fusion_graph.replay.traces import RecordedTrajectory
-from fusion_graph.routing.records import RouteRecord, action
+from fusion_graph.routing.records import RouteRecord, action, upgraded
 from fusion_graph.routing.score import StepScore, StepSignals, TroubleSignals, score_step
 from fusion_graph.sizing.turn import build_prompt
 
@@ -343,7 +343,7 @@ def read_labels(path: Path) -> list[Label]:
 def shadow_labels(route_logs: Mapping[str, Sequence[RouteRecord]], *, trace: str = "threads") -> list[Label]:
     """Labels from a thread store: each thread's plans and steps, labelled where a shadow check ran.
 
-    A shadow check (``kind="shadow"``, ``extra.shadow``) asked the cloud beside a
+    A shadow check (``kind="shadow"``, its ``shadow``) asked the cloud beside a
     local step: ``agrees`` false means the cloud acted otherwise, so the local step
     was likely wrong. Every plan and step of a thread is kept in order (the dial
     routes them all), unlabelled where no check ran; repairs and side inferences
@@ -353,7 +353,7 @@ def shadow_labels(route_logs: Mapping[str, Sequence[RouteRecord]], *, trace: str
     for line, (thread, records) in enumerate(route_logs.items(), start=1):
         checks: dict[tuple[int, int], bool | None] = {}
         for record in records:
-            shadow = record["extra"].get("shadow") if record["kind"] == "shadow" else None
+            shadow = upgraded(record).get("shadow") if record["kind"] == "shadow" else None
             if shadow:
                 checks[(record["turn"], int(shadow.get("of_step", record["step"])))] = shadow.get("agrees")
         position = 0

@@ -18,7 +18,7 @@ from fusion_graph.routing.score import RouteDecision, StepSignals, TroubleSignal
 
 
 def is_paced(decision: RouteDecision) -> bool:
-    """Whether the paced dial (``routing.paced_leg``) forced this leg against the score's band.
+    """Whether the paced dial (``routing.rule.paced_leg``) forced this leg against the score's band.
 
     Read from the decision's own field, never from its reason (words are for people).
     """

@@ -1,11 +1,32 @@
-"""The leg decision: threshold, hysteresis, the plan rule, the paced dial and the escalation latch.
+"""When a step goes to cloud: the leg decision, the cloud budget guard and the fit bounds.
 
-Everything here is a pure function over plain data (the step's score comes from
-``fusion_graph.routing.score``), so the graph, the replay benchmark and calibration all
-call the exact same code and any decision can be reproduced without a model.
-With ``FusionContext.trouble_signals`` the decision goes through the escalation
-latch (``Latch``, ``latch_rule``); off, it is absent and every decision is the
-four-term rule's.
+Three rules answer that question, and a step's order applies them together
+(``fusion_graph.nodes.step.order_step``), so they live in one module:
+
+- **The leg decision** (``decide_leg``): threshold, hysteresis (the band), the
+  plan rule, the paced dial (``Pace``) and the escalation latch. The step's
+  score comes from ``fusion_graph.routing.score``. With
+  ``FusionContext.trouble_signals`` the decision goes through the latch
+  (``Latch``, ``latch_rule``); off, it is absent and every decision is the
+  four-term rule's.
+- **The budget guard** (``check_budget``): what a turn and a thread may still
+  spend on cloud. The spend so far is read from the thread's ``route_log`` (the
+  cost of every inference the cloud leg answered, priced at the provider that
+  answered); the step's cost is estimated before the call (its prompt and
+  expected completion at the cloud provider's prices). A step whose cost would
+  take either spend past its budget runs local instead
+  (``BudgetCheck.guard``), and the reason carries the numbers.
+- **The fit bounds** (``plan_fit``): never send a step to a provider whose
+  window cannot hold it. Each provider of the chain comes with its window and
+  the step's estimated prompt on its leg (``LinkRoom``); back come where the
+  step may go and, when the rule changed the route, a reason with the numbers
+  (``prompt 2,411 + 512 > local window 2,048: escalated to cloud``). When no
+  window can hold the step, the plan says how many tokens compaction must free
+  on the largest one.
+
+Everything here is a pure function over plain data, so the graph, the replay
+benchmark and calibration all call the exact same code and any decision can be
+reproduced without a model.
 """
 
 from __future__ import annotations
@@ -13,10 +34,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
-from typing import Any
 
 from fusion_graph.errors import ContextError
-from fusion_graph.routing.records import RouteRecord, money
+from fusion_graph.routing.records import BudgetRecord, RecordParts, RouteRecord, money
 from fusion_graph.routing.score import (
     DEFAULT_CLOUD_SHARE,
     DEFAULT_HYSTERESIS,
@@ -614,14 +634,16 @@ class BudgetCheck:
         reason = f"{decision.reason}; {self.over}: local"
         return replace(decision, leg="local", reason=reason, budget=self.over)
 
-    def extra(self) -> dict[str, Any]:
-        """What a record keeps of the check: the step's cloud price, the cap and, when over, why."""
+    def parts(self) -> RecordParts:
+        """The record's ``budget``: the step's cloud price, the cap and, when over, why."""
         if not self.limited:
             return {}
-        kept: dict[str, Any] = {"cloud_step_usd": self.step_usd}
+        kept = BudgetRecord(step_usd=self.step_usd)
         if self.max_tokens is not None:
-            kept["cloud_max_tokens"] = self.max_tokens
-        return kept | ({"cloud_budget": self.over} if self.over else {})
+            kept["max_tokens"] = self.max_tokens
+        if self.over:
+            kept["over"] = self.over
+        return {"budget": kept}
 
 
 #: No budget set: nothing priced, nothing refused.

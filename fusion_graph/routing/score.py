@@ -9,7 +9,9 @@ into the step's own route would be circular. It belongs in the route log, not he
 With ``FusionContext.trouble_signals`` the same score gains two terms measured
 by ``fusion_graph.routing.trouble`` (``TroubleSignals`` in, ``TroubleScore`` out); off,
 every score is the four-term rule's. The leg decision over the score is
-``fusion_graph.routing.rule``.
+``fusion_graph.routing.rule``. ``call_key`` is a tool call's identity (its name
+and canonical arguments): the loop detector and the no-progress signal count
+calls by it, so both agree on what "the same call" is.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class Latch:
     (``None``: not held); ``progress`` says the results since the previous step
     are a progress event (``trouble.progress_event``), which releases it.
     The graph keeps ``since`` in ``State.latch``; replay rebuilds it the same way.
-    ``routing.latch_rule`` applies it; it lives here so ``TroubleSignals`` can read it.
+    ``routing.rule.latch_rule`` applies it; it lives here so ``TroubleSignals`` can read it.
     """
 
     since: int | None = None
@@ -225,7 +227,7 @@ class RouteDecision:
     latch: int | None = None
     """The escalation latch after this decision: the step that set it (``None``: not held, or no latch)."""
     paced: bool = False
-    """Whether the paced dial forced this leg against the score's band (``routing.paced_leg``)."""
+    """Whether the paced dial forced this leg against the score's band (``routing.rule.paced_leg``)."""
 
 
 def _ratio(numerator: float, denominator: float) -> float:

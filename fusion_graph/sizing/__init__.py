@@ -1,9 +1,11 @@
-"""Sizing a step, pure over plain data: token counts, anchored estimates, the fit rule, compaction, the turn.
+"""Sizing a step, pure over plain data: the turn with its token counts, and compaction.
 
-- ``tokens``: the default token estimator (character classes) and prompt estimates
-- ``estimate``: a leg's estimate anchored on what its server last reported
-- ``fit``: which links' windows can hold a step, and the conversation budget
+The fit rule (which windows can hold a step) is part of the cloud rule,
+``fusion_graph.routing.rule``; the I/O around these functions (asking a server
+to count, reading its window) is the step's ``Sizer`` in ``fusion_graph.nodes.step``.
+
+- ``turn``: the turn in progress in graph state, its next step's signals and where it goes; token
+  counts (character classes), prompt estimates anchored on what each leg's server last reported,
+  and the history memo, so a step pays for its new messages only
 - ``compaction``: make a conversation fit when no window can hold it
-- ``turn``: the turn in progress in graph state, its next step's signals and where it goes
-- ``history_memo``: folds over a growing history, remembered, so a step pays for its new messages
 """

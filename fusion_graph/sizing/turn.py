@@ -1,8 +1,33 @@
-"""The turn in progress: where it stands in graph state, and where its next step goes.
+"""The turn in progress: where it stands in graph state, what its next step's prompt weighs, where it goes.
 
 Pure helpers the nodes, the edges and replay share: read the batch in
-progress, gather the next step's routing signals, and hand them to the
-routing rule (``fusion_graph.routing.rule``).
+progress, gather the next step's routing signals, and hand them to the routing
+rule (``fusion_graph.routing.rule``). The signals need the prompt's size, so
+the token counts live here too, with the memo that keeps both cheap:
+
+- **Token counts.** One estimator is used everywhere (score, fit checks,
+  benchmarks, replay): by default ``approximate_tokens``, a character-class
+  estimate of what a BPE tokenizer and a chat template make of each message;
+  any ``Callable[[Sequence[BaseMessage]], int]`` (a real tokenizer, say) plugs
+  in instead (``TokenCounter``).
+- **Anchored estimates.** A character estimate of the whole history drifts with
+  the tokenizer, the chat template and the tool schemas. Each leg's server
+  reports the exact ``prompt_tokens`` of every request it answers, so the
+  estimate for the next request on that leg is that report (a ``PromptAnchor``
+  in graph state) plus an estimate of only the messages appended since
+  (``leg_estimate``). Without an anchor (a thread's first request on a leg, or
+  after compaction), the graph asks llama-server to render and tokenize the
+  prompt (``providers.llama_server.count_prompt_tokens``) or, for other servers,
+  estimates the whole prompt with its tool schemas (``prompt_estimate``). The
+  I/O is the step's ``Sizer`` (``fusion_graph.nodes.step``).
+- **The history memo** (``HistoryMemo``). A thread's history grows by
+  appending, and each step asks the same questions (token sums, where the turn
+  starts, which calls were made) of a list that extends the previous step's.
+  The memo keeps the last few histories (by the identity of their first
+  message) with what was computed for them, so a step extends a remembered
+  value over its new messages instead of folding the whole history again.
+  Messages are taken as immutable, as LangGraph treats them: a changed message
+  is a new object, so the history no longer matches.
 """
 
 from __future__ import annotations
@@ -292,7 +317,7 @@ def prompt_estimate(
 ) -> int:
     """Estimated tokens of the whole prompt a step sends: system prompt, history, tool schemas.
 
-    With no server report to anchor on, this is the estimate (``estimate.leg_estimate``).
+    With no server report to anchor on, this is the estimate (``leg_estimate``).
     """
     tool_part = tool_tokens(tools) if tools else 0
     if count_tokens is approximate_tokens:
@@ -634,12 +659,12 @@ def next_route(
 
     ``prompt_tokens`` is the graph's estimate of the prompt (anchored on the
     server's report); without it the prompt is estimated, ``tools`` included.
-    ``budget`` is the context budget (``fit.conversation_budget``); without it,
+    ``budget`` is the context budget (``routing.rule.conversation_budget``); without it,
     ``conversation_max_tokens`` or the fallback for an unknown window.
 
     With ``trouble_signals``, a continuation step's signals carry the trouble
     signals (``with_trouble``) and its decision goes through the escalation
-    latch in ``state["latch"]`` (``routing.Latch``); the decision's ``latch`` is
+    latch in ``state["latch"]`` (``routing.score.Latch``); the decision's ``latch`` is
     what the ``route`` node keeps there for the next step. Plans never carry
     them: the plan starts a turn, with no latch.
     """

@@ -252,7 +252,7 @@ class Metrics:
         box becomes a label, anything else is ``other``; without a header, or with no
         box configured (llama-server itself is the local endpoint), the provider id.
         """
-        named = record["extra"].get("box")
+        named = record.get("placement", {}).get("box")
         if not isinstance(named, str) or not named or not self.boxes:
             return provider
         box = box_label(named)
@@ -272,7 +272,7 @@ class Metrics:
         """Count one inference's record (``all_cloud_usd``: its cost on the cloud link, when priced)."""
         kind, leg, provider = record["kind"], record["leg"], scrub(record["provider"] or "none")
         answered = record["provider"] is not None
-        outcome = "answered" if answered else str(record["extra"].get("outcome", "unanswered"))
+        outcome = "answered" if answered else str(record.get("outcome", {}).get("status", "unanswered"))
         self.inferences.labels(kind, record["routed_leg"], leg, provider, outcome).inc()
         for attempt in record["attempts"]:
             self.failed.labels(scrub(str(attempt.get("provider"))), str(attempt.get("kind"))).inc()
@@ -304,7 +304,7 @@ class Metrics:
 
     def job(self, record: RouteRecord) -> None:
         """Count a memory job by the outcome its last record says (``stored`` or ``dropped``)."""
-        self.memory_jobs.labels(str(record["extra"].get("outcome", "dropped"))).inc()
+        self.memory_jobs.labels(str(record.get("memory", {}).get("outcome", "dropped"))).inc()
 
     def job_pending(self) -> None:
         """Count a memory job stopped before it finished: left ``pending``, not ``dropped``."""
@@ -312,8 +312,8 @@ class Metrics:
 
     def shadow(self, record: RouteRecord) -> None:
         """Count a finished shadow check by its step's score band and whether cloud agreed."""
-        shadow = record["extra"].get("shadow")
-        if not isinstance(shadow, dict):
+        shadow = record.get("shadow")
+        if shadow is None:
             return
         agrees = shadow.get("agrees")
         self.shadows.labels(

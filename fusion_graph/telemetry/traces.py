@@ -103,9 +103,8 @@ def inference_attributes(
     record: RouteRecord, *, model: str, response_model: str | None, thread_id: str | None
 ) -> dict[str, Value]:
     """A ``chat`` span's attributes: the GenAI conventions' and the routing decision's, from ``record``."""
-    extra = record["extra"]
-    found = extra.get("shadow")
-    shadow: Mapping[str, Any] = found if isinstance(found, dict) else {}
+    found = record.get("shadow")
+    shadow: Mapping[str, Any] = found if found is not None else {}
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": _provider_name(record["provider"] or "", record["leg"]),
@@ -125,12 +124,12 @@ def inference_attributes(
         "fusion.threshold": record["threshold"],
         "fusion.reason": record["reason"],
         "fusion.slot": record["slot"],
-        "fusion.box": extra.get("box"),
+        "fusion.box": record.get("placement", {}).get("box"),
         "fusion.placement": placement_of(record),
         "fusion.processed_tokens": record["processed_tokens"],
         "fusion.cost_usd": record["cost_usd"],
         "fusion.kept_local_by_budget": bool(record.get("kept_local_by_budget")),
-        "fusion.cloud_budget": extra.get("cloud_budget"),
+        "fusion.cloud_budget": record.get("budget", {}).get("over"),
         "fusion.failed_attempts": len(record["attempts"]),
         "fusion.shadow.agrees": shadow.get("agrees"),
     }

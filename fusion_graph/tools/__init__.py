@@ -1,9 +1,10 @@
-"""The tools side: built-in workspace tools, their file I/O, the batch rules and output caps.
+"""The built-in workspace tools and their file I/O.
+
+How any tool call is checked, dispatched and capped is the ``tools`` node's
+work (``fusion_graph.nodes.tools``), whichever tools the graph was given.
 
 - ``workspace``: ``read_file``/``list_dir``/``replace_in_file`` confined to the workspace
 - ``files``: fd-relative, no-follow file I/O under them
-- ``batch``: validation of a tool batch before anything runs (pure)
-- ``output_cap``: a long tool result keeps its head and tail, marked
 """
 
 from fusion_graph.tools.files import WorkspaceError

@@ -108,7 +108,7 @@ async def test_killed_llama_server_falls_over_to_cloud_and_recovers_after_restar
             ]
             assert all(r["attempts"] == [] and r["provider"] == LOCAL_ID for r in turn[1:])
             # The routed start was half-open: probed (it closed the circuit), not reported as a probe.
-            assert turn[1]["extra"]["probe"] is False
+            assert turn[1]["outcome"]["probe"] is False
             assert turn[1]["prompt_tokens"] and turn[1]["slot"] == records(first, 0)[1]["slot"]
             assert health.state(time.monotonic()) == "healthy" and health.cooldown_until is None
             assert len(cloud.requests) == 4

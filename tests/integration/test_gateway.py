@@ -64,9 +64,9 @@ async def test_eight_threads_spread_over_both_boxes_and_each_finds_its_history_i
     box_of: dict[str, str] = {}
     for thread, log in zip(threads, logs, strict=True):
         first, second = steps(log)
-        assert first["extra"]["box"] == second["extra"]["box"], thread  # the thread stayed on its box
-        assert "box_moved_from" not in second["extra"]
-        box_of[thread] = first["extra"]["box"]
+        assert first["placement"]["box"] == second["placement"]["box"], thread  # the thread stayed on its box
+        assert "moved_from" not in second["placement"]
+        box_of[thread] = first["placement"]["box"]
         # The second turn's prompt starts with the whole first one: all of it came from the box's cache.
         assert first["prompt_tokens"] is not None and second["cached_tokens"] is not None
         assert second["cached_tokens"] >= first["prompt_tokens"] - 1, (thread, first, second)
@@ -74,7 +74,7 @@ async def test_eight_threads_spread_over_both_boxes_and_each_finds_its_history_i
         # Memory jobs carry the thread's key: they ran on its box, on the reserved slot.
         jobs = [r for r in log if r["kind"] == "memory" and r["provider"] is not None]
         assert jobs, thread
-        assert {r["extra"]["box"] for r in jobs} == {box_of[thread]}
+        assert {r["placement"]["box"] for r in jobs} == {box_of[thread]}
         assert {r["slot"] for r in jobs} == {POOL_SLOTS - 1}
     served = Counter(box_of.values())
     assert set(served) == {llama_pool.box(url).base_url for url in served}
@@ -92,19 +92,19 @@ async def test_a_stopped_box_moves_its_threads_and_their_next_turns_complete(
         graph = pooled_graph(pool, cloud)
         threads = [f"failover-{i}" for i in range(4)]
         first = {t: steps(await turn(graph, t, f"{t}: first question", context))[-1] for t in threads}
-        boxes = {record["extra"]["box"] for record in first.values()}
+        boxes = {record["placement"]["box"] for record in first.values()}
         assert len(boxes) == 2, first
-        dead = first[threads[0]]["extra"]["box"]
+        dead = first[threads[0]]["placement"]["box"]
         pool.box(dead).stop()
         second = {t: steps(await turn(graph, t, f"{t}: second question", context))[-1] for t in threads}
     assert cloud.requests == []  # mode=local: the other box answered, not cloud
     for thread in threads:
         record = second[thread]
         assert record["provider"] is not None and record["leg"] == "local", record
-        assert record["extra"]["box"] != dead
-        if first[thread]["extra"]["box"] == dead:  # moved: one cold step, recorded
-            assert record["extra"]["box_moved_from"] == dead
+        assert record["placement"]["box"] != dead
+        if first[thread]["placement"]["box"] == dead:  # moved: one cold step, recorded
+            assert record["placement"]["moved_from"] == dead
         else:
-            assert "box_moved_from" not in record["extra"]
+            assert "moved_from" not in record["placement"]
             before, cached = first[thread]["prompt_tokens"], record["cached_tokens"]
             assert before is not None and cached is not None and cached >= before - 1

@@ -328,8 +328,8 @@ async def test_budgets_resynthesis_and_the_routing_key_through_langgraph_dev(tmp
             kinds = [(r["kind"], r["leg"]) for r in result["route_log"]]
             assert kinds == [("plan", "cloud"), ("step", "local"), ("synthesis", "cloud")]
             assert result["messages"][-1]["content"] == "the workspace holds notes.txt (rewritten)"
-            assert result["route_log"][-1]["extra"]["draft"] == "local draft"
-            assert result["route_log"][0]["extra"]["cloud_step_usd"] > 0  # priced against the budget
+            assert result["route_log"][-1]["synthesis"]["draft"] == "local draft"
+            assert result["route_log"][0]["budget"]["step_usd"] > 0  # priced against the budget
             assert local.request_headers[0]["x-fusion-thread"] == routing_key(thread["thread_id"])
 
             # A run may lower the budget: at 0 even the plan runs local, and says why.

@@ -79,7 +79,7 @@ async def test_threads_whose_turns_run_on_both_server_workers_stay_warm_on_one_l
     for state in states:
         assert_unique_ids(state["values"])
         first, second = (r for r in state["values"]["route_log"] if r["kind"] == "plan")
-        assert first["slot"] == second["slot"] != 8 and first["extra"]["placement"] == "shared"
+        assert first["slot"] == second["slot"] != 8 and first["placement"]["lease"] == "shared"
         assert second["cached_tokens"] >= first["prompt_tokens"] - 1, (first, second)  # warm on turn 2
         slots.add(first["slot"])
     assert len(slots) == 8  # no two threads on one slot, whichever worker placed them
@@ -188,7 +188,7 @@ async def test_a_memory_job_left_by_a_killed_server_worker_is_finished_once_by_t
     folded = [
         r for r in state["values"]["route_log"] if r["kind"] == "memory" and r["turn"] == 0 and r["provider"]
     ]
-    assert len(folded) == 1 and folded[0]["extra"]["attempt"] == 2
+    assert len(folded) == 1 and folded[0]["memory"]["attempt"] == 2
     assert_unique_ids(state["values"])
     humans = [m["content"] for m in state["values"]["messages"] if m["type"] == "human" and not m.get("name")]
     assert humans == ["I prefer tabs.", "And spaces?", "Thanks."]
@@ -223,7 +223,7 @@ async def test_turns_on_two_workers_complete_while_the_shared_state_database_sta
             await bounded(Turn(clients[k % 2], assistant, thread, text, mode, LOCAL).run(), text, server)
             state = await clients[0].threads.get_state(thread)
             return str(
-                [r for r in state["values"]["route_log"] if r["kind"] == "plan"][-1]["extra"]["placement"]
+                [r for r in state["values"]["route_log"] if r["kind"] == "plan"][-1]["placement"]["lease"]
             )
 
         placements = [await turn(0, "first question")]

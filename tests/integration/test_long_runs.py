@@ -148,9 +148,9 @@ async def test_tool_output_that_overflows_the_local_slot_runs_on_cloud_and_the_t
     (step,) = steps(first)
     assert (step["routed_leg"], step["leg"]) == ("local", "cloud")
     assert "> local window 2,048: escalated to cloud" in step["reason"]
-    assert step["extra"]["fit"].startswith("prompt ")
+    assert step["sizing"]["fit"].startswith("prompt ")
     assert step["attempts"] == [], "the step was never sent to the slot it could not fit"
-    assert step["extra"]["estimated_prompt_tokens"] + 512 > SLOT_WINDOW
+    assert step["sizing"]["estimate"] + 512 > SLOT_WINDOW
     assert local_rec.bodies == [], "llama-server never received a request it could not hold"
     assert first["messages"][-1].content == "big.py defines 60 handlers"
 
@@ -186,11 +186,11 @@ async def test_a_turn_that_overflows_every_window_compacts_and_completes(
     result = (await graph.aget_state(config)).values
 
     first, second = steps(result)
-    assert first["leg"] == "local" and "compaction" not in first["extra"]
+    assert first["leg"] == "local" and "compaction" not in first["sizing"]
     assert (
         "(the largest window): compacted" in second["reason"] and "fits after compaction" in second["reason"]
     )
-    assert second["extra"]["compaction"]["cleared_tool_outputs"] == 1, "only the oldest output was cleared"
+    assert second["sizing"]["compaction"]["cleared_tool_outputs"] == 1, "only the oldest output was cleared"
     assert second["leg"] == "local" and second["attempts"] == []
     assert second["prompt_tokens"] + 256 <= SLOT_WINDOW, "the compacted prompt fits the slot (server's count)"
     assert [e["phase"] for e in events if e.get("event") == "fusion_route"].count("compaction") == 1
@@ -218,13 +218,13 @@ async def test_the_estimate_counts_like_the_server_on_a_code_heavy_step(
     )
     plan, step = result["route_log"]
     # A thread's first local request is counted by llama-server itself (/apply-template + /tokenize).
-    assert plan["extra"]["estimate_basis"] == "server"
-    assert abs(plan["extra"]["estimated_prompt_tokens"] - plan["prompt_tokens"]) <= 2
+    assert plan["sizing"]["estimate_basis"] == "server"
+    assert abs(plan["sizing"]["estimate"] - plan["prompt_tokens"]) <= 2
     code_share = (step["prompt_tokens"] - plan["prompt_tokens"]) / step["prompt_tokens"]
     assert code_share > 0.3, "premise: the step is code-heavy"
     # More than SERVER_COUNT_OVER tokens were appended since the anchor: the server counts them too.
-    assert step["extra"]["estimate_basis"] == "server"
-    error = abs(step["extra"]["estimated_prompt_tokens"] - step["prompt_tokens"]) / step["prompt_tokens"]
+    assert step["sizing"]["estimate_basis"] == "server"
+    error = abs(step["sizing"]["estimate"] - step["prompt_tokens"]) / step["prompt_tokens"]
     assert error <= 0.03
     # Four characters a token (the old estimate) would have missed the code by far more.
     code = (tmp_path / "mid.py").read_text()
@@ -257,9 +257,9 @@ async def test_a_digit_heavy_step_is_counted_within_3_percent(
     appended = step["prompt_tokens"] - plan["prompt_tokens"]
     [tool_result] = [m for m in result["messages"] if m.type == "tool"]
     assert appended > 512, ("premise: the file is a large part of the step", tool_result.content[:300])
-    error = abs(step["extra"]["estimated_prompt_tokens"] - step["prompt_tokens"]) / step["prompt_tokens"]
-    assert error <= 0.03, (step["extra"]["estimated_prompt_tokens"], step["prompt_tokens"])
-    assert step["signals"]["prompt_tokens"] == step["extra"]["estimated_prompt_tokens"], (
+    error = abs(step["sizing"]["estimate"] - step["prompt_tokens"]) / step["prompt_tokens"]
+    assert error <= 0.03, (step["sizing"]["estimate"], step["prompt_tokens"])
+    assert step["signals"]["prompt_tokens"] == step["sizing"]["estimate"], (
         "context pressure, the score's largest term, uses that count"
     )
 

@@ -143,7 +143,7 @@ def sampling_record(out: dict[str, Any]) -> RouteRecord:
     assert [r["kind"] for r in out["route_log"]] == ["plan", "sampling", "step"]
     record: RouteRecord = out["route_log"][1]
     assert (record["turn"], record["step"]) == (0, 0)
-    assert record["extra"]["in_run"] is True
+    assert record["sampling"]["in_run"] is True
     return record
 
 
@@ -268,7 +268,7 @@ async def test_when_no_provider_answers_the_server_gets_an_error_without_the_key
     result = tool_result(out)
     assert "no provider answered the sampling request" in result["error"] and key not in result["error"]
     record = sampling_record(out)
-    assert (record["provider"], record["extra"]["outcome"]) == (None, "failed")
+    assert (record["provider"], record["outcome"]["status"]) == (None, "failed")
     assert [a["provider"] for a in record["attempts"]] == [LOCAL_ID, CLOUD_ID]
     assert key not in json.dumps(out["route_log"], default=str)
     assert "local" not in out["totals"] and out["totals"]["cloud"]["inferences"] == 2
@@ -298,4 +298,4 @@ async def test_a_session_opened_outside_the_run_keeps_its_records_on_the_callbac
     assert [r["kind"] for r in out["route_log"]] == ["plan", "step"]
     [record] = callback.records
     assert (record["kind"], record["provider"]) == ("sampling", CLOUD_ID)
-    assert record["extra"]["in_run"] is False and record["extra"]["thread_id"] == OUTSIDE_THREAD
+    assert record["sampling"]["in_run"] is False and record["sampling"]["thread_id"] == OUTSIDE_THREAD

@@ -95,11 +95,11 @@ async def test_memory_jobs_are_warm_on_the_reserved_slot_and_leave_the_conversat
     # The jobs ran locally on the reserved slot, the conversation elsewhere; each stored valid JSON.
     assert all(j["leg"] == "local" and j["slot"] == N_SLOTS - 1 for j in jobs)
     assert conversation_slot is not None and conversation_slot != N_SLOTS - 1
-    assert all(j["extra"]["dropped"] is None and j["extra"]["primed"] for j in jobs), [
-        j["extra"] for j in jobs
+    assert all(j["memory"]["dropped"] is None and j["memory"]["primed"] for j in jobs), [
+        j["memory"] for j in jobs
     ]
     items = [i.value for i in await store.asearch(ns, limit=20)]
-    assert len(items) == sum(j["extra"]["stored"] for j in jobs)
+    assert len(items) == sum(j["memory"]["stored"] for j in jobs)
     for item in items:
         TinyItem.model_validate({"kind": item["kind"], "text": item["text"]})
     # Each job's request carries the steps' tools, no tool calls, the schema, the reserved slot.
@@ -113,7 +113,7 @@ async def test_memory_jobs_are_warm_on_the_reserved_slot_and_leave_the_conversat
     shares = [cached_share(j) for j in jobs]
     assert all(share >= WARM for share in shares[1:]), shares
     # Fire-and-forget, folded once: each job's record is in route_log by the next turn, exactly once.
-    folded = [r["extra"]["job_key"] for r in log if r["kind"] == "memory"]
+    folded = [r["memory"]["job_key"] for r in log if r["kind"] == "memory"]
     assert folded == [f"{THREAD}:0:{entries[0]['step']}", f"{THREAD}:1:{entries[1]['step']}"]
     # The conversation's next local step still reuses its own cached prefix (server-reported).
     for turn in (1, 2):

@@ -115,7 +115,7 @@ async def test_memories_from_one_replica_are_recalled_on_another(postgres_db: st
         )
         first = await graph.ainvoke(said("I like tabs"), CONFIG, context=INLINE)
     assert [(r["turn"], r["kind"]) for r in first["route_log"]] == [(0, "plan"), (0, "step"), (0, "memory")]
-    assert first["route_log"][-1]["extra"]["stored"] == 1
+    assert first["route_log"][-1]["memory"]["stored"] == 1
     assert cloud.prompts[0][-1].text == "I like tabs"  # nothing to recall yet
 
     async with (

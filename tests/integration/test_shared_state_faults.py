@@ -359,7 +359,7 @@ async def test_turns_complete_across_a_database_stopped_during_the_model_call_an
     log = state.values["route_log"]
     jobs = [r for r in log if r["kind"] == "memory"]
     assert sorted(r["turn"] for r in jobs) == [0, 1]  # each turn's job once (turn 2's waits for a next turn)
-    assert all(r["extra"]["attempt"] == 1 for r in jobs)
+    assert all(r["memory"]["attempt"] == 1 for r in jobs)
     stored = [item.value for item in await store.asearch(NS, limit=100)]
     assert sorted((v["turn"], v["text"]) for v in stored) == [
         (0, "The user prefers tabs."),
@@ -394,7 +394,7 @@ async def test_local_turns_on_llama_server_fall_back_while_the_database_is_down_
         assert time.monotonic() - began < 60
         step = [r for r in out["route_log"] if r["kind"] in ("plan", "step")][-1]
         assert step["leg"] == "local" and step["provider"].startswith("local")
-        placements.append(str(step["extra"].get("placement")))
+        placements.append(str(step.get("placement", {}).get("lease")))
 
     try:
         await turn("a first question")
@@ -459,7 +459,7 @@ async def test_two_workers_never_name_one_slot_at_once_while_the_database_stops_
                 out = (await graph.aget_state(config)).values
             record = [r for r in out["route_log"] if r["kind"] == "plan"][-1]
             assert record["leg"] == "local", record
-            placements.append(str(record["extra"].get("placement")))
+            placements.append(str(record.get("placement", {}).get("lease")))
 
         async def round_of_turns(label: str) -> None:
             await asyncio.gather(*(turn(i % 2, f"crowd-{i}", f"{label} {i}") for i in range(6)))

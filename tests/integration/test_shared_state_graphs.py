@@ -105,7 +105,7 @@ async def test_a_2000_character_id_runs_a_whole_turn_on_postgres_savers_and_shar
     state, log = await turn(saver, store, thread, how, postgres_db)
     assert state["messages"][-1].content == "done"
     assert [r["kind"] for r in state["route_log"] if r["kind"] != "shadow"] == ["plan", "step"]
-    assert state["route_log"][1]["extra"].get("placement") == "shared"  # its slot claimed in Postgres
+    assert state["route_log"][1].get("placement", {}).get("lease") == "shared"  # its slot claimed in Postgres
     assert [(e["status"], e["stored"]) for e in log] == [("done", 1)]
     assert [c async for c in saver.alist({"configurable": {"thread_id": thread}})]
     assert [done for _, _, done in await job_claims(postgres_db)] == [True]
@@ -119,7 +119,7 @@ async def test_every_odd_id_runs_a_whole_turn_with_shared_state_when_its_savers_
     thread = ODD_IDS[label]
     state, log = await turn(InMemorySaver(), InMemoryStore(), thread, how, postgres_db)
     assert state["messages"][-1].content == "done"
-    assert state["route_log"][1]["extra"].get("placement") == "shared"  # hashed into the slot table
+    assert state["route_log"][1].get("placement", {}).get("lease") == "shared"  # hashed into the slot table
     assert [(e["thread_id"], e["status"], e["stored"]) for e in log] == [(thread, "done", 1)]
     assert [done for _, _, done in await job_claims(postgres_db)] == [True]  # hashed into the claims
 

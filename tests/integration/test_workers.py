@@ -103,7 +103,7 @@ async def test_a_threads_turns_on_two_workers_find_its_history_in_one_llama_serv
         assert first["slot"] == second["slot"] == third["slot"] != 8, (
             thread
         )  # one slot, never the reflection's
-        assert first["extra"]["placement"] == "shared"
+        assert first["placement"]["lease"] == "shared"
         slots[thread] = first["slot"]
         for before, after in ((first, second), (second, third)):
             # Warm: the later turn's prompt starts with the whole earlier one, found in the slot's cache.
@@ -126,9 +126,11 @@ async def test_two_boxes_with_as_many_slots_as_threads_fill_evenly_and_every_thr
     boxes: dict[str, str] = {}
     for thread in threads:
         first, second = local_steps(logs[thread], 0)[0], local_steps(logs[thread], 1)[0]
-        assert first["extra"]["box"] == second["extra"]["box"] and first["slot"] == second["slot"], thread
+        assert first["placement"]["box"] == second["placement"]["box"] and first["slot"] == second["slot"], (
+            thread
+        )
         assert second["cached_tokens"] >= first["prompt_tokens"] - 1, (thread, first, second)
-        boxes[thread] = first["extra"]["box"]
+        boxes[thread] = first["placement"]["box"]
     per_box = sorted(list(boxes.values()).count(box.rstrip("/")) for box in tight_pool.worker_urls)
     assert per_box == [4, 4], boxes  # even, whatever the gateway's tie-breaking would have done
     # Every request went straight to its box: the gateway served none of them.
@@ -223,7 +225,7 @@ async def test_a_memory_job_pending_on_a_killed_worker_is_finished_once_by_anoth
     written = [item for item in items if item.value.get("turn") == 0]
     assert len(written) == 1 and written[0].value["text"] == "The user prefers tabs."  # written once
     folded = [r for r in third["route_log"] if r["kind"] == "memory" and r["turn"] == 0 and r["provider"]]
-    assert len(folded) == 1 and folded[0]["extra"]["attempt"] == 2  # in the thread's log once, by the re-run
+    assert len(folded) == 1 and folded[0]["memory"]["attempt"] == 2  # in the thread's log once, by the re-run
     texts = [m["text"] for m in third["messages"] if m["type"] == "human"]
     assert texts.count("I prefer tabs.") == 1 and texts.count("And spaces?") == 1  # nothing lost or doubled
     assert len(second["route_log"]) < len(third["route_log"])

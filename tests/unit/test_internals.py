@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any
 
 import pytest
@@ -14,9 +14,11 @@ from langgraph.config import get_config
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.runtime import Runtime
+from langgraph.types import Send
 from typing_extensions import TypedDict
 
 from fusion_graph import build_graph, internals
+from fusion_graph.errors import StateError
 from fusion_graph.run_queue import FusionGraph
 
 
@@ -116,3 +118,29 @@ async def test_an_untraced_edge_gets_the_runtime_and_config_and_opens_no_run() -
     await builder.compile().ainvoke({"seen": []}, config, context={"k": 1})
     assert seen == [({"k": 1}, "t")]
     assert "edge" not in runs.names and "n" in runs.names  # the node's run is there, the edge's is not
+
+
+async def test_a_node_reached_by_send_reads_the_state_an_edge_would_give_it() -> None:
+    read: list[Any] = []
+
+    async def first(state: _State) -> dict[str, Any]:
+        return {"seen": [True]}
+
+    async def sent(state: Mapping[str, Any]) -> dict[str, Any]:
+        read.append((state, internals.node_state(get_config())))
+        return {"seen": [False]}
+
+    async def send(state: _State) -> Send:
+        return Send("sent", {"payload": 1})
+
+    builder = StateGraph(_State)
+    builder.add_node("first", first)
+    builder.add_node("sent", sent, input_schema=_State)
+    builder.add_edge(START, "first")
+    builder.add_conditional_edges("first", send, ["sent"])
+    builder.add_edge("sent", END)
+    out = await builder.compile().ainvoke({"seen": []})
+    assert read == [({"payload": 1}, {"seen": [True]})]  # the payload as input, the state as of its step
+    assert out["seen"] == [True, False]
+    with pytest.raises(StateError, match="inside a graph run"):
+        internals.node_state({"configurable": {}})

@@ -1,9 +1,10 @@
 """The routing rule after a tool batch: the edge routes a one-call batch, route joins larger ones.
 
 A one-call batch must not pay a superstep (and a checkpoint) of its own, a
-batch of parallel calls must still join before anything decides, and an
-executor that finds no order kept for it (a run resumed in another process) must decide
-exactly what the edge would have.
+batch of parallel calls must still join before anything decides, and the
+decision reaches its executor in the step's ``Send``: a run resumed from its
+checkpoint by another graph (another process) carries out the very order the
+edge made, and decides nothing again.
 """
 
 from __future__ import annotations
@@ -13,9 +14,16 @@ from typing import Any
 import pytest
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.constants import TASKS
+from langgraph.types import Send
 
 from fusion_graph import FusionContext, build_graph
-from fusion_graph.nodes.step import StepOrders
+from fusion_graph.errors import StateError
+from fusion_graph.nodes import step as step_module
+from fusion_graph.nodes.step import StepOrder, StepSizes
+from fusion_graph.routing.rule import BudgetCheck
+from fusion_graph.routing.score import TROUBLE_WEIGHTS, RouteDecision, TroubleSignals, score_step
+from fusion_graph.sizing.turn import Estimate
 from tests.plugins.fakes import ai_calls, call, scripted, user_input
 
 
@@ -61,7 +69,7 @@ async def test_a_one_call_batch_is_routed_by_the_edge_without_a_superstep_of_its
     log = state["route_log"]
     assert [r["leg"] for r in log] == ["cloud", "local", "local", "local", "local"]
     assert all(r["score"] is not None and r["reason"] for r in log)  # each step decided and recorded
-    assert "route" not in state  # the decision travels in process, never through the checkpoint
+    assert "route" not in state  # the decision travels with the step's Send, not in a state field
     # input, plan, then tools and an executor per step: two checkpoints a step, not three
     assert checkpoints == 2 + 2 * 4 + 1
 
@@ -76,11 +84,90 @@ async def test_the_tasks_of_a_larger_batch_join_at_route_before_anything_decides
 
 
 @pytest.mark.parametrize("calls_per_step", [1, 3])
-async def test_an_executor_without_a_kept_order_decides_what_the_edge_decided(
+async def test_a_run_resumed_by_another_graph_carries_out_the_order_the_edge_made(
     calls_per_step: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    handed = (await nodes_run(steps=5, calls_per_step=calls_per_step))[1]["route_log"]
-    monkeypatch.setattr(StepOrders, "take", lambda self, key: None)  # a resume in another process
-    again = (await nodes_run(steps=5, calls_per_step=calls_per_step))[1]["route_log"]
+    whole = (await nodes_run(steps=3, calls_per_step=calls_per_step))[1]["route_log"]
+    decided: list[int] = []
+    decide = step_module.decide_step
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        order = await decide(*args, **kwargs)
+        decided.append(order.step)
+        return order
+
+    monkeypatch.setattr(step_module, "decide_step", counted)
+    answers = script(3, calls_per_step)
+    saver = InMemorySaver()
+    config: Any = {"configurable": {"thread_id": "t"}}
+    context = FusionContext(sub_runners="off", loop_repeat_limit=100)
+    first = build_graph(
+        cloud_model=scripted("cloud", answers[:1]),
+        local_model=scripted("local", []),
+        tools=[echo],
+        checkpointer=saver,
+    )
+    # Stop where the first step's executor would run, as a process that dies there would.
+    await first.ainvoke(user_input("go"), config, context=context, interrupt_before=["local"])
+    waiting = await first.aget_state(config)
+    assert [task.name for task in waiting.tasks] == ["local"] and decided == [0, 1]
+    saved = await saver.aget_tuple(config)
+    assert saved is not None
+    orders = [w[2].arg for w in saved.pending_writes or () if isinstance(w[2], Send)]
+    orders += [s.arg for s in saved.checkpoint["channel_values"].get(TASKS, ()) if isinstance(s, Send)]
+    assert len(orders) == 1 and plain(orders[0])  # the order, as plain data: no fusion class in a checkpoint
+    again = build_graph(
+        cloud_model=scripted("cloud", []),
+        local_model=scripted("local", answers[1:]),
+        tools=[echo],
+        checkpointer=saver,
+    )
+    state = await again.ainvoke(None, config, context=context)
+    assert decided == [0, 1, 2, 3]  # each step decided once: the resumed one is not decided again
     fields = ("turn", "step", "kind", "leg", "routed_leg", "score", "threshold", "reason", "breakdown")
-    assert [{f: r[f] for f in fields} for r in again] == [{f: r[f] for f in fields} for r in handed]
+    assert [{f: r[f] for f in fields} for r in state["route_log"]] == [
+        {f: r[f] for f in fields} for r in whole
+    ]
+
+
+def plain(value: Any) -> bool:
+    """Whether ``value`` is made only of dicts, lists, text, numbers, flags and ``None``."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(plain(v) for v in value)
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+def test_an_order_comes_back_from_its_plain_form_whole_with_trouble_signals_and_scores() -> None:
+    signals = TroubleSignals(
+        prompt_tokens=900,
+        conversation_max_tokens=4096,
+        step=3,
+        max_steps=10,
+        transient_notice=True,
+        tool_output_tokens=300,
+        stable_prefix_tokens=200,
+        error_severity=0.5,
+        no_progress=0.25,
+        progress=False,
+        latched=2,
+    )
+    score = score_step(signals, TROUBLE_WEIGHTS)
+    decision = RouteDecision(leg="cloud", score=score, threshold=70, reason="r", latch=2)
+    sizes = StepSizes(
+        windows={"cloud:x": 128000, "local:y": None},
+        estimates={"cloud": Estimate(900, "anchored", 40), "local": Estimate(880, "server")},
+        budget=4096,
+        score_leg="local",
+        key="k",
+    )
+    order = StepOrder("cloud", "step", 3, 1, decision, signals, sizes, BudgetCheck(True, 0.01, None, 512))
+    plain = order.plain()
+    back = StepOrder.of(plain)
+    assert back == order
+    assert type(back.signals) is TroubleSignals and type(back.decision.score) is type(score)
+    assert back.decision.threshold == 70 and type(back.decision.threshold) is int  # nothing coerced
+    assert back.sizes.estimates["cloud"].appended == 40  # a field equality leaves out still comes back
+    with pytest.raises(StateError):
+        StepOrder.of({"leg": "cloud"})

@@ -357,7 +357,7 @@ async def test_a_dropped_memory_job_says_why_without_the_key(caplog: pytest.LogC
     assert why.endswith(f"RuntimeError: binding bug near {REDACTED}")
     assert "binding bug near" in caplog.text and key not in caplog.text
     record = dropped_record(job, "local", 0, 0, f"store write failed: {key}")
-    assert record["extra"]["dropped"] == f"store write failed: {REDACTED}"
+    assert record["memory"]["dropped"] == f"store write failed: {REDACTED}"
 
 
 # --------------------------------------------------------------------------- streams, other libraries' logs

@@ -83,15 +83,15 @@ async def test_the_records_say_exactly_where_the_cloud_would_have_acted_otherwis
         (r["kind"], r["step"], r["leg"]) for r in first["route_log"] if r["turn"] == 0 and r["kind"] == "step"
     ]
     assert steps == [("step", 1, "local"), ("step", 2, "local")]
-    checked = {r["extra"]["shadow"]["of_step"]: r for r in shadows(state) if r["turn"] == 0}
+    checked = {r["shadow"]["of_step"]: r for r in shadows(state) if r["turn"] == 0}
     assert set(checked) == {1, 2}
-    assert checked[1]["extra"]["shadow"]["agrees"] is True
-    assert checked[2]["extra"]["shadow"]["agrees"] is False
-    assert checked[2]["extra"]["shadow"]["local_action"] == {"reply": True}
-    assert checked[2]["extra"]["shadow"]["cloud_action"] == {"tools": [["lookup", '{"key": "c"}']]}
+    assert checked[1]["shadow"]["agrees"] is True
+    assert checked[2]["shadow"]["agrees"] is False
+    assert checked[2]["shadow"]["local_action"] == {"reply": True}
+    assert checked[2]["shadow"]["cloud_action"] == {"tools": [["lookup", '{"key": "c"}']]}
     for record in checked.values():
         assert (record["leg"], record["provider"]) == ("cloud", "cloud:c")
-        assert record["cost_usd"] is not None and record["extra"]["shadow"]["cost_usd"] == record["cost_usd"]
+        assert record["cost_usd"] is not None and record["shadow"]["cost_usd"] == record["cost_usd"]
     assert state["totals"]["cost_usd"] >= sum(r["cost_usd"] for r in shadows(state))  # counted in spend
     summary = agreement(state["route_log"])
     assert summary["checked"] >= 2 and summary["agree"] < summary["checked"]
@@ -119,7 +119,7 @@ async def test_a_slow_shadow_never_holds_its_step_up(how: str) -> None:
             if shadows(state):
                 break
     [shadow] = [r for r in shadows(state) if r["turn"] == 0]
-    assert shadow["extra"]["shadow"]["agrees"] is True
+    assert shadow["shadow"]["agrees"] is True
 
 
 @pytest.mark.parametrize("how", ["ainvoke", "messages"])
@@ -231,7 +231,7 @@ async def test_a_shadow_that_finishes_after_its_turn_is_recorded_once_by_the_nex
         third = await turn(first_worker, "bye", how, quiet)  # back in the first: nothing twice
     recorded = [r for r in shadows(third) if r["turn"] == 0]
     assert len(recorded) == 1 and recorded[0]["turn"] == 0
-    assert [r["extra"]["shadow"]["key"] for r in shadows(second)] == [recorded[0]["extra"]["shadow"]["key"]]
+    assert [r["shadow"]["key"] for r in shadows(second)] == [recorded[0]["shadow"]["key"]]
     assert recorded[0]["cost_usd"] is not None and recorded[0]["cost_usd"] > 0
     spent = sum(r["cost_usd"] or 0.0 for r in third["route_log"])
     assert third["totals"]["cost_usd"] == pytest.approx(spent)  # its cost in the thread's spend, once

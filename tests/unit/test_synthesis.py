@@ -49,7 +49,7 @@ async def test_a_local_reply_is_rewritten_by_cloud_and_the_draft_is_kept_in_the_
     step, synthesis = state["route_log"][-2:]
     assert (step["kind"], step["leg"]) == ("step", "local")
     assert (synthesis["kind"], synthesis["leg"], synthesis["routed_leg"]) == ("synthesis", "cloud", "cloud")
-    assert synthesis["extra"]["draft"] == "local draft" and synthesis["extra"]["draft_id"] == final.id
+    assert synthesis["synthesis"]["draft"] == "local draft" and synthesis["synthesis"]["draft_id"] == final.id
     assert synthesis["cost_usd"] is not None and synthesis["cost_usd"] > 0
     assert state["totals"]["cost_usd"] == pytest.approx(sum(r["cost_usd"] or 0 for r in state["route_log"]))
     assert state["leg"] == "local"  # the turn's leg (hysteresis) is left as the local step set it
@@ -71,7 +71,7 @@ async def test_with_cloud_down_the_local_reply_stands_and_the_record_says_why(ho
     assert state["messages"][-1].content == "local draft"
     synthesis = state["route_log"][-1]
     assert synthesis["kind"] == "synthesis" and synthesis["provider"] is None
-    assert synthesis["extra"]["skipped"].startswith("cloud is down, the local reply stands")
+    assert synthesis["synthesis"]["skipped"].startswith("cloud is down, the local reply stands")
     assert [a["kind"] for a in synthesis["attempts"]] == ["server_error"]
     assert len(local.requests) == 1  # never re-written on local
 
@@ -87,7 +87,7 @@ async def test_over_budget_the_rewrite_is_skipped_with_the_numbers(how: str) -> 
     assert len(cloud.requests) == 1  # the plan only
     synthesis = state["route_log"][-1]
     assert synthesis["kind"] == "synthesis" and synthesis["cost_usd"] is None
-    assert synthesis["extra"]["skipped"].startswith("turn budget $0.0026: $0.0025 spent, step ~$")
+    assert synthesis["synthesis"]["skipped"].startswith("turn budget $0.0026: $0.0025 spent, step ~$")
 
 
 async def test_a_turn_that_ends_on_a_cloud_reply_is_not_rewritten() -> None:

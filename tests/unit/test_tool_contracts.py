@@ -347,7 +347,7 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
 
     def counting(state: Any, context: Any, count_tokens: Any = None, **sizes: Any) -> Any:
         decision, signals = real(state, context, count_tokens, **sizes)
-        if not sizes.get("plan"):  # every step is decided by route's one function, the plan too
+        if not sizes.get("plan"):  # every step is decided by the one decision function, the plan too
             decided.append(decision.score.score if decision.score else -1)
         return decision, signals
 
@@ -362,7 +362,7 @@ async def test_each_step_is_scored_once_and_the_executor_records_that_decision(
     steps = [r for r in out["route_log"] if r["kind"] == "step"]
     assert len(steps) == 2 and len(decided) == 2  # a two-call batch (joined at route), then a lone call
     assert [r["score"] for r in steps] == decided
-    assert "route" not in out, "the decision is handed over in process, not through state"
+    assert "route" not in out, "the order travels in its Send, not in a state field"
 
 
 def test_a_sampling_tool_s_own_command_update_is_kept_beside_its_records() -> None:
@@ -382,7 +382,7 @@ def test_a_sampling_tool_s_own_command_update_is_kept_beside_its_records() -> No
 
 
 def test_the_executors_and_the_middleware_decide_no_step_themselves() -> None:
-    """Every step is decided by ``nodes.step.decide_step``: the executors and the middleware only carry it out."""
+    """Every step is decided by ``nodes.step.decide_step``: executors and the middleware only carry it out."""
     import inspect
 
     import fusion_graph.middleware.fusion_routing as middleware_module

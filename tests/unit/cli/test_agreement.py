@@ -13,7 +13,7 @@ from fusion_graph.cli.report import since_time
 
 
 def shadow(score: int, agrees: bool | None, cost: float = 0.001) -> Any:
-    return {"kind": "shadow", "extra": {"shadow": {"score": score, "agrees": agrees, "cost_usd": cost}}}
+    return {"kind": "shadow", "extra": {}, "shadow": {"score": score, "agrees": agrees, "cost_usd": cost}}
 
 
 def test_the_wilson_interval_matches_its_textbook_values() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from fusion_graph.cli.app import app
 from fusion_graph.cli.report import budget_summary
-from fusion_graph.routing.records import RouteRecord, StepKind, kept_local_by_budget, make_record
+from fusion_graph.routing.records import RecordParts, RouteRecord, StepKind, kept_local_by_budget, make_record
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.settings import FusionSettings
 from tests.unit.cli.test_report import PRICED, two_threads
@@ -92,7 +92,7 @@ def record(
     kind: StepKind = "step",
     reason: str = "r",
     budget: str | None = None,
-    **extra: str,
+    parts: RecordParts | None = None,
 ) -> RouteRecord:
     made = make_record(
         turn=turn,
@@ -103,7 +103,7 @@ def record(
         signals=None,
         provider=None,
         answer=None,
-        extra=dict(extra),
+        **(parts or {}),
     )
     made["cost_usd"] = cost
     return made
@@ -117,10 +117,10 @@ def test_budget_summary_counts_spend_turns_kept_local_and_syntheses() -> None:
         record(0, "local", 0.5),  # local: not cloud spend
         record(1, "cloud", 0.015),
         record(1, "local", None, reason=moved, budget="thread budget $0.05"),
-        record(1, "local", None, budget="turn budget $0.01", cloud_budget="turn"),
+        record(1, "local", None, budget="turn budget $0.01", parts={"budget": {"over": "turn"}}),
         record(1, "local", None, reason="thread budget $0.05 said nothing"),  # not ending ": local"
-        record(1, "cloud", 0.001, kind="synthesis", draft="d"),
-        record(2, "cloud", None, kind="synthesis", skipped="over budget"),
+        record(1, "cloud", 0.001, kind="synthesis", parts={"synthesis": {"draft": "d"}}),
+        record(2, "cloud", None, kind="synthesis", parts={"synthesis": {"skipped": "over budget"}}),
     ]
     assert [kept_local_by_budget(r) for r in records[4:7]] == [True, True, False]
     out = budget_summary(records)

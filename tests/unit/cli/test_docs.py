@@ -1,24 +1,30 @@
-"""The docs: the generated configuration table and ``.env.example``, ignore files, links that resolve."""
+"""The docs: generated tables and `.env.example`, ignore files, links that resolve."""
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
 
 import pytest
+from typing_extensions import is_typeddict
 
 from fusion_graph.cli.docs import config_rows, env_example, env_value
 from fusion_graph.context import FusionContext
+from fusion_graph.routing import records
+from fusion_graph.routing.records import RouteRecord
 from fusion_graph.settings import ENV_PREFIX, FusionSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+ROUTE_LOG = ROOT / "docs" / "route_log.md"
 SETTING = re.compile(rf"^# ({ENV_PREFIX}[A-Z0-9_]+)=(.*)$")
 
 
@@ -144,6 +150,43 @@ def test_the_configuration_table_is_generated_from_the_context() -> None:
         "docs/configuration.md table is stale: run "
         "`python -m fusion_graph.cli.docs docs/configuration.md .env.example`"
     )
+
+
+def test_the_route_log_field_table_is_generated_from_the_record() -> None:
+    from fusion_graph.cli.docs import render_record_table
+
+    text = ROUTE_LOG.read_text(encoding="utf-8")
+    assert render_record_table(text) == text, (
+        "docs/route_log.md field table is stale: run "
+        "`python -m fusion_graph.cli.docs docs/configuration.md .env.example`"
+    )
+
+
+def test_the_field_table_lists_every_key_the_record_classes_declare() -> None:
+    from fusion_graph.cli.docs import record_fields
+
+    def keys(cls: Any, prefix: str = "") -> set[str]:
+        found = set()
+        for name, kind in get_type_hints(cls).items():
+            found.add(prefix + name)
+            inner = get_args(kind)[0] if get_origin(kind) is list else kind
+            if is_typeddict(inner):
+                found |= keys(inner, f"{prefix}{name}{'[]' if inner is not kind else ''}.")
+        return found
+
+    listed = [name for name, _, _ in record_fields()]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == keys(RouteRecord)
+    assert {"sizing.estimate", "placement.box", "shadow.agrees", "extra"} <= set(listed)
+
+
+def test_a_record_field_without_a_docstring_fails_the_docs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fusion_graph.cli.docs as docs
+
+    source = inspect.getsource(records).replace('''    """Seconds the answering attempt took."""\n''', "")
+    monkeypatch.setattr(inspect, "getsource", lambda _: source)
+    with pytest.raises(ValueError, match=r"OutcomeRecord\.latency_s has no attribute docstring"):
+        docs.record_table()
 
 
 # --------------------------------------------------------------------------- README and docs/

@@ -49,7 +49,7 @@ def outcome(start: dict[str, Any], leg: str, provider: str | None, **fields: Any
         "leg": leg,
         "provider": provider,
         "attempts": fields.pop("attempts", []),
-        "extra": {"latency_s": latency} if latency is not None else {},
+        "outcome": {"latency_s": latency} if latency is not None else {},
         **fields,
     }
 
@@ -91,7 +91,7 @@ def recorded_stream() -> list[dict[str, Any]]:
         "prompt_tokens": 3100,
         "cached_tokens": 3072,
         "cost_usd": 0.0,
-        "extra": {"latency_s": 1.92},
+        "outcome": {"latency_s": 1.92},
     }
     plan = decision(0, "plan", "cloud", 41, None, "plan step: cloud (cloud_share 30 > 0)")
     one = decision(1, "step", "local", 12, 60, "score 12 < 60 (T=70 - h=10): back to local")

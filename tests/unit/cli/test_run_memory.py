@@ -58,7 +58,7 @@ def test_memory_jobs_run_in_the_store_beside_the_checkpoints_and_reach_the_next_
     out = json.loads(second.stdout)
     # The first turn's job record is folded into the thread's route_log at this turn's plan ...
     memory = [r for r in out["route_log"] if r["kind"] == "memory"]
-    assert [(r["turn"], r["leg"], r["extra"]["outcome"]) for r in memory] == [(0, "local", "stored")]
+    assert [(r["turn"], r["leg"], r["memory"]["outcome"]) for r in memory] == [(0, "local", "stored")]
     # ... and the plan was given the memory.
     [prompt] = second_cloud.prompts
     assert any(FACT in message.text for message in prompt)
@@ -141,7 +141,7 @@ def test_the_memory_wait_ends_with_the_answers_time_and_the_next_turn_runs_what_
     from fusion_graph.cli.report import stored_route_logs
 
     log = stored_route_logs(tmp_path / "t.sqlite", "t1")["t1"]
-    memory = [(r["turn"], r["extra"]["outcome"]) for r in log if r["kind"] == "memory"]
+    memory = [(r["turn"], r["memory"]["outcome"]) for r in log if r["kind"] == "memory"]
     assert sorted(memory) == [(0, "stored"), (1, "stored")]
 
 

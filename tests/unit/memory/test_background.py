@@ -116,12 +116,12 @@ async def test_the_reply_returns_without_waiting_for_a_slow_job_which_then_reach
     [entry] = await log_of(store)
     assert (entry["status"], entry["stored"], entry["attempts"]) == ("done", 1, 1)
     [record] = entry["records"]
-    assert (record["kind"], record["provider"], record["extra"]["outcome"]) == (
+    assert (record["kind"], record["provider"], record["memory"]["outcome"]) == (
         "memory",
         "local:localfake",
         "stored",
     )
-    assert record["extra"]["job_key"] == "t1:0:1"
+    assert record["memory"]["job_key"] == "t1:0:1"
 
 
 async def test_inline_mode_keeps_the_jobs_inside_the_run() -> None:
@@ -159,7 +159,7 @@ async def test_a_finished_job_reaches_route_log_at_the_next_turn_exactly_once() 
         (2, "plan"),
         (2, "step"),
     ]
-    assert [r["extra"]["job_key"] for r in outs[-1]["route_log"] if r["kind"] == "memory"] == [
+    assert [r["memory"]["job_key"] for r in outs[-1]["route_log"] if r["kind"] == "memory"] == [
         "t1:0:1",
         "t1:1:1",
     ]
@@ -262,13 +262,13 @@ async def test_drain_with_the_graph_sweeps_and_a_job_that_keeps_dying_is_given_u
     [entry] = await log_of(store)
     assert entry["status"] == "done" and await items(store) == []
     [record] = entry["records"]
-    record_extra: dict[str, Any] = record["extra"]
-    assert record_extra["outcome"] == "dropped" and "given up" in record_extra["dropped"]
+    job = record["memory"]
+    assert job["outcome"] == "dropped" and "given up" in str(job["dropped"])
 
 
 def test_records_of_finished_jobs_are_recognised_by_their_key() -> None:
-    record: RouteRecord = {"kind": "memory", "extra": {"job_key": "t:0:1"}}  # type: ignore[typeddict-item]
-    step: RouteRecord = {"kind": "step", "extra": {"job_key": "t:9:9"}}  # type: ignore[typeddict-item]
+    record: RouteRecord = {"kind": "memory", "memory": {"job_key": "t:0:1"}}  # type: ignore[typeddict-item]
+    step: RouteRecord = {"kind": "step", "memory": {"job_key": "t:9:9"}}  # type: ignore[typeddict-item]
     assert folded_keys([record, step]) == {"t:0:1"}
 
 

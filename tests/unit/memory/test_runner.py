@@ -84,7 +84,7 @@ async def test_reply_is_streamed_before_any_memory_work_and_items_are_stored() -
     memory_records = [r for r in final.values["route_log"] if r["kind"] == "memory"]
     assert len(memory_records) == 1
     record = memory_records[0]
-    assert (record["leg"], record["provider"], record["extra"]["stored"], record["extra"]["dropped"]) == (
+    assert (record["leg"], record["provider"], record["memory"]["stored"], record["memory"]["dropped"]) == (
         "local",
         "local:localfake",
         1,
@@ -112,8 +112,8 @@ async def test_a_failing_job_leaves_the_turn_untouched(answers: list[Any], why: 
     assert out["messages"][-1].content == "all done"
     assert [r["kind"] for r in out["route_log"]][:3] == ["plan", "step", "memory"]
     last = out["route_log"][-1]
-    assert last["kind"] == "memory" and why in last["extra"]["dropped"]
-    assert (last["extra"]["stored"], last["extra"]["outcome"]) == (0, "dropped")
+    assert last["kind"] == "memory" and why in last["memory"]["dropped"]
+    assert (last["memory"]["stored"], last["memory"]["outcome"]) == (0, "dropped")
     assert await stored(store) == []
 
 
@@ -123,7 +123,7 @@ async def test_invalid_json_gets_one_repair_on_the_same_provider() -> None:
     graph = build_graph(cloud_model=cloud, local_model=local, tools=TOOLS, store=store)
     out = await graph.ainvoke(user_input("go"), context=INLINE)
     records = [r for r in out["route_log"] if r["kind"] == "memory"]
-    assert [r["extra"]["repair"] for r in records] == [False, True]
+    assert [r["memory"]["repair"] for r in records] == [False, True]
     assert {r["provider"] for r in records} == {"local:localfake"}
     assert "not valid for the schema" in str(local.prompts[-1][-1].content)
     assert len(await stored(store)) == 1
@@ -260,5 +260,5 @@ async def test_local_memory_job_is_primed_on_the_reflection_slot_and_keeps_the_s
     assert memory_body["messages"][len(step_body["messages"])] == {"role": "assistant", "content": "done"}
     assert memory_body["messages"][-1] == {"role": "user", "content": job.instructions}
     record = out["route_log"][-1]
-    assert (record["slot"], record["extra"]["primed"], record["extra"]["stored"]) == (3, True, 1)
+    assert (record["slot"], record["memory"]["primed"], record["memory"]["stored"]) == (3, True, 1)
     assert isinstance(out["messages"][-1], AIMessage)

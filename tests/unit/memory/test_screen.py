@@ -37,7 +37,7 @@ def config(thread: str) -> RunnableConfig:
 
 def memory_record(out: dict[str, Any]) -> dict[str, Any]:
     [record] = [r for r in out["route_log"] if r["kind"] == "memory"]
-    return dict(record["extra"])
+    return dict(record["memory"])
 
 
 ECHOES = (
@@ -106,7 +106,9 @@ async def test_a_background_job_keeps_what_it_left_out_in_its_job_log_entry() ->
     await memory.drain(5)
     [entry] = await thread_entries(store, NS, "t1")
     assert (entry["status"], entry["stored"], entry.get("rejected")) == ("done", 1, 1)
-    assert [r["why"] for r in entry["records"][-1]["extra"]["rejected"]] == ["echo of the job's instructions"]
+    assert [r["why"] for r in entry["records"][-1]["memory"]["rejected"]] == [
+        "echo of the job's instructions"
+    ]
     assert [item["text"] for item in await stored(store)] == ["The user prefers tabs."]
 
 

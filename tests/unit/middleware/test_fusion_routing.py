@@ -231,6 +231,6 @@ async def test_a_call_only_cloud_could_make_over_the_budget_ends_with_the_graph_
         state = await run(agent_with(middleware, cloud_model), "ainvoke", context=None)
         asked = cloud.requests
     [record] = state["route_log"]
-    assert record["extra"]["outcome"] == "over_budget" and record["provider"] is None
+    assert record["outcome"]["status"] == "over_budget" and record["provider"] is None
     assert asked == []  # no inference was made
     assert state["messages"][-1].content.startswith(prompts.OVER_BUDGET.split("{")[0])

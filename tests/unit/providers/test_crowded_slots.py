@@ -67,7 +67,7 @@ async def test_ten_times_the_slots_in_threads_never_share_a_slot_in_flight(
     assert {body["id_slot"] for body in asked} <= set(range(CONVERSATION_SLOTS))
     records = [r for state in states for r in state["route_log"]]
     assert all(r["leg"] == "local" and r["provider"] is not None for r in records)
-    guests = Counter(bool(r["extra"].get("guest")) for r in records)
+    guests = Counter(bool(r.get("placement", {}).get("guest")) for r in records)
     assert guests[True] > 0, "with 10x the slots in threads some requests must have been guests"
 
 

@@ -387,7 +387,7 @@ async def test_every_inference_sends_the_completion_budget(
 
     assert legs(out) == [("plan", "cloud", "cloud"), ("step", "local", "local")]
     assert [r["max_completion_tokens"] for r in cloud.requests + local.requests] == [300, 300]
-    assert [r["extra"]["max_tokens"] for r in out["route_log"]] == [300, 300]
+    assert [r["sizing"]["max_tokens"] for r in out["route_log"]] == [300, 300]
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -444,7 +444,7 @@ async def test_all_providers_down_raises_then_resumes_from_the_checkpoint(
         ("step", "local", None),
     ]
     failed = values["route_log"][1]
-    assert failed["extra"]["outcome"] == "exhausted"
+    assert failed["outcome"]["status"] == "exhausted"
     assert [(a["provider"], a["kind"]) for a in failed["attempts"]] == [
         (LOCAL_ID, "server_error"),
         (CLOUD_ID, "server_error"),

@@ -110,9 +110,9 @@ async def test_local_requests_go_straight_to_the_box_their_lease_names_and_keep_
         state = await run_turn(graph, "thread-7", f"hi {turn}", how)
     other = await run_turn(graph, "thread-8", "hello", how)  # the box with the fewest threads
     records = state["route_log"]
-    assert [r["extra"].get("box") for r in records] == [box(box_a)] * 2
-    assert other["route_log"][-1]["extra"]["box"] == box(box_b)
-    assert all("box_moved_from" not in r["extra"] for r in records)
+    assert [r.get("placement", {}).get("box") for r in records] == [box(box_a)] * 2
+    assert other["route_log"][-1]["placement"]["box"] == box(box_b)
+    assert all("moved_from" not in r.get("placement", {}) for r in records)
     key = routing_key("thread-7")
     assert [h.get("x-fusion-thread") for _, h in chats(box_a)] == [key, key]
     assert len({body["id_slot"] for body, _ in chats(box_a)}) == 1  # the same slot, turn after turn
@@ -138,8 +138,8 @@ async def test_a_box_that_refuses_connections_moves_its_threads_and_the_step_com
     state = await run_turn(graph, "t", "one", how)
     record = state["route_log"][-1]
     assert record["leg"] == "local" and record["provider"] is not None  # no fallover to cloud
-    assert record["extra"]["box"] == box(box_b)
-    assert record["extra"]["box_moved_from"] == dead
+    assert record["placement"]["box"] == box(box_b)
+    assert record["placement"]["moved_from"] == dead
     assert cloud.requests == [] and len(chats(box_b)) == 1
 
 

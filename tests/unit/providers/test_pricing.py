@@ -37,7 +37,7 @@ POWER = TokenPrices(input=0.02, output=0.05)
 
 
 def price_record(record: RouteRecord, pricing: Pricing) -> RouteRecord:
-    """``record`` priced as the graph prices an answered inference (``records.answered_record``)."""
+    """``record`` priced as the graph prices an answered inference (``chain.answered_record``)."""
     priced = record.copy()
     priced["cost_usd"] = price(
         pricing, record["prompt_tokens"], record["cached_tokens"], record["completion_tokens"]

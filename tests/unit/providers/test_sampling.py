@@ -224,7 +224,7 @@ async def test_max_tokens_is_capped_at_the_runs_completion_budget() -> None:
     answered(await callback(request_context(), params(max_tokens=5000)))
     assert local.call_kwargs[0]["max_tokens"] == 100
     [record] = callback.records
-    assert (record["extra"]["max_tokens"], record["extra"]["requested_max_tokens"]) == (100, 5000)
+    assert (record["sizing"]["max_tokens"], record["sampling"]["requested_max_tokens"]) == (100, 5000)
 
 
 def test_the_prompt_keeps_roles_and_names_an_image_in_a_text_note() -> None:
@@ -378,7 +378,7 @@ async def test_when_every_provider_fails_the_server_gets_an_error_without_the_ke
     assert result.code == INTERNAL_ERROR
     assert "no provider answered" in result.message and key not in result.message
     [record] = callback.records
-    assert (record["kind"], record["provider"], record["extra"]["outcome"]) == ("sampling", None, "failed")
+    assert (record["kind"], record["provider"], record["outcome"]["status"]) == ("sampling", None, "failed")
     assert len(record["attempts"]) == 2 and key not in repr(record)
 
 
@@ -403,7 +403,7 @@ async def test_the_record_is_priced_at_the_provider_that_answered() -> None:
     assert record["cost_usd"] is not None and record["cost_usd"] > 0
     assert "intelligence 0.9 > cost 0.1, speed 0.2: cloud" in record["reason"]
     assert (record["turn"], record["step"]) == (0, 0)
-    assert record["extra"]["in_run"] is False and record["extra"]["thread_id"] == OUTSIDE_THREAD
+    assert record["sampling"]["in_run"] is False and record["sampling"]["thread_id"] == OUTSIDE_THREAD
 
 
 async def test_records_are_bounded() -> None:
@@ -411,7 +411,7 @@ async def test_records_are_bounded() -> None:
     callback = sampling_callback(resolver(recording("gpt-4o-mini", []), local), max_records=2)
     for _ in range(3):
         answered(await callback(request_context(), params()))
-    assert [r["extra"]["stop_reason"] for r in callback.records] == ["endTurn", "endTurn"]
+    assert [r["outcome"]["stop_reason"] for r in callback.records] == ["endTurn", "endTurn"]
     assert len(callback.records) == 2
 
 
@@ -532,7 +532,7 @@ async def test_a_request_during_a_tool_call_lands_in_the_threads_route_log(
     ]
     sampled = out["route_log"][1]
     assert (sampled["turn"], sampled["step"], sampled["provider"]) == (0, 0, LOCAL_ID)
-    assert sampled["extra"]["thread_id"] == f"sampling-{way}" and sampled["extra"]["in_run"] is True
+    assert sampled["sampling"]["thread_id"] == f"sampling-{way}" and sampled["sampling"]["in_run"] is True
     assert list(callback.records) == [sampled]
     assert list(tool_replies(out).values()) == ["sampled locally"]
     assert out["totals"]["local"]["inferences"] == 1 and out["totals"]["cloud"]["inferences"] == 2
@@ -619,7 +619,7 @@ async def test_a_failed_request_is_logged_but_adds_nothing_to_totals(
     out = await run_turn(graph, config, {"cloud_share": 100}, way)
 
     [sampled] = [r for r in out["route_log"] if r["kind"] == "sampling"]
-    assert (sampled["routed_leg"], sampled["provider"], sampled["extra"]["outcome"]) == (
+    assert (sampled["routed_leg"], sampled["provider"], sampled["outcome"]["status"]) == (
         "local",
         None,
         "failed",
@@ -643,7 +643,7 @@ async def test_a_sample_the_cloud_budget_cannot_pay_runs_local_and_never_falls_o
     assert cloud.prompts == []
     [record] = callback.records
     assert record["routed_leg"] == "local"
-    assert record["extra"]["cloud_budget"].startswith("thread budget $0.0")
+    assert record["budget"]["over"].startswith("thread budget $0.0")
     assert record["reason"].endswith(": local")
 
 
@@ -653,4 +653,4 @@ async def test_within_budget_a_sample_that_asks_for_intelligence_runs_on_cloud()
     callback = sampling_callback(resolver(cloud, local, thread_cloud_budget_usd=1.0))
     result = answered(await callback(request_context(), params(preferences=SMART)))
     assert text_of(result) == "cloud" and result.model == CLOUD_ID
-    assert "cloud_budget" not in callback.records[0]["extra"]
+    assert "budget" not in callback.records[0]

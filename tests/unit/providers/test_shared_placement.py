@@ -76,13 +76,11 @@ async def test_an_unreachable_shared_state_places_on_no_slot_and_says_so() -> No
             # While it runs, this process names no slot for anyone (it may be on any idle slot).
             other = await placer.place(link, "thread-2")
             assert other.slot is None
-            assert "still running" in str(other.notes["placement"])
+            assert "still running" in str(other.notes["lease"])
     finally:
         await state.aclose()
     assert placed.slot is None
-    assert str(placed.notes["placement"]).startswith(
-        "unplaced: the shared state's Postgres cannot be reached"
-    )
+    assert str(placed.notes["lease"]).startswith("unplaced: the shared state's Postgres cannot be reached")
 
 
 class Board:

@@ -50,7 +50,7 @@ async def test_a_step_the_local_window_cannot_hold_runs_on_cloud_and_says_why() 
     (step,) = steps(out)
     assert (step["routed_leg"], step["leg"], step["attempts"]) == ("local", "cloud", [])
     assert step["reason"].endswith("+ 512 > local window 2,048: escalated to cloud")
-    assert step["extra"]["fit"] in step["reason"] and step["extra"]["window"] == 128_000
+    assert step["sizing"]["fit"] in step["reason"] and step["sizing"]["window"] == 128_000
     assert local.prompts == [], "nothing was sent to the window that could not hold it"
     # Pressure is measured against the usable local window: this step fills it.
     assert step["signals"]["conversation_max_tokens"] == 2048 - 512
@@ -80,8 +80,8 @@ async def test_when_no_window_holds_the_step_the_oldest_output_is_cleared_and_th
     out = (await graph.aget_state(config)).values
 
     first, second = steps(out)
-    assert "compaction" not in first["extra"]
-    assert second["extra"]["compaction"]["cleared_tool_outputs"] == 1
+    assert "compaction" not in first["sizing"]
+    assert second["sizing"]["compaction"]["cleared_tool_outputs"] == 1
     assert "(the largest window): compacted; fits after compaction" in second["reason"]
     assert [e["phase"] for e in events if e.get("event") == "fusion_route"].count("compaction") == 1
     outputs = [m for m in out["messages"] if isinstance(m, ToolMessage)]
@@ -147,7 +147,7 @@ async def test_when_every_window_overflows_the_history_is_compacted_and_the_step
 
     (step,) = steps(out)
     assert step["leg"] == "cloud"
-    assert step["extra"]["compaction"]["times"] == 1
+    assert step["sizing"]["compaction"]["times"] == 1
     assert "every window overflowed" in step["reason"]
     assert [m.content for m in both.prompts[-1] if isinstance(m, ToolMessage)] == [PLACEHOLDER]
     assert out["messages"][-1].content == "done after compaction"

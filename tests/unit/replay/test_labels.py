@@ -157,9 +157,9 @@ def test_labels_read_back_the_last_line_of_each_step_and_skip_a_line_cut_short(t
         read_labels(tmp_path / "missing.jsonl")
 
 
-def record(kind: str, turn: int, step: int, **extra: Any) -> dict[str, Any]:
+def record(kind: str, turn: int, step: int, **parts: Any) -> dict[str, Any]:
     signals = dict(vars(sig(10.0 + step, step)))
-    return {"kind": kind, "turn": turn, "step": step, "signals": signals, "extra": extra}
+    return {"kind": kind, "turn": turn, "step": step, "signals": signals, "extra": {}, **parts}
 
 
 def test_shadow_checks_label_the_local_steps_they_ran_beside() -> None:

@@ -75,14 +75,14 @@ async def test_a_turn_that_would_overspend_goes_local_at_the_step_that_would_pas
     log = state["route_log"]
     spent = 0.0
     for entry in log:
-        assert entry["extra"]["cloud_step_usd"] > 0
+        assert entry["budget"]["step_usd"] > 0
         if entry["leg"] == "local":
             break
-        assert spent + entry["extra"]["cloud_step_usd"] <= 0.012  # every cloud step was affordable
+        assert spent + entry["budget"]["step_usd"] <= 0.012  # every cloud step was affordable
         spent += entry["cost_usd"]
     first_local = next(entry for entry in log if entry["leg"] == "local")
     assert first_local["routed_leg"] == "local" and first_local["kind"] == "step"
-    assert spent + first_local["extra"]["cloud_step_usd"] > 0.012  # and this one was not
+    assert spent + first_local["budget"]["step_usd"] > 0.012  # and this one was not
     assert f"turn budget $0.012: ${spent:.4f}".rstrip("0") in first_local["reason"]
     assert first_local["reason"].endswith(": local")
     assert state["messages"][-1].content == "local done"
@@ -111,8 +111,8 @@ async def test_a_step_only_cloud_can_hold_and_the_budget_cannot_pay_ends_the_tur
         state = await turn_state(graph, "word " * 2000, how, FusionContext(max_completion_tokens=16))
     assert cloud.requests == [] and local.requests == []
     last = state["route_log"][-1]
-    assert last["extra"]["outcome"] == "over_budget" and last["provider"] is None
-    assert "local window 256" in last["extra"]["fit"]
+    assert last["outcome"]["status"] == "over_budget" and last["provider"] is None
+    assert "local window 256" in last["sizing"]["fit"]
     text = state["messages"][-1].content
     assert "cloud budget does not allow it" in text and "thread budget $0.0" in text
 
@@ -135,7 +135,7 @@ async def test_without_a_budget_a_local_outage_still_falls_over_to_cloud() -> No
             graph, "hello", "ainvoke", FusionContext(cloud_share=0, max_completion_tokens=16)
         )
     assert state["route_log"][-1]["leg"] == "cloud" and len(cloud.requests) == 1
-    assert "cloud_step_usd" not in state["route_log"][-1]["extra"]
+    assert "step_usd" not in state["route_log"][-1].get("budget", {})
 
 
 async def test_the_operators_ceiling_binds_a_run_that_asks_for_more() -> None:
@@ -189,9 +189,9 @@ async def test_a_capped_cloud_call_asks_for_no_more_than_the_budget_pays(how: st
     [plan] = state["route_log"]
     body = cloud.requests[0]
     sent = int(body.get("max_completion_tokens") or body["max_tokens"])
-    assert plan["leg"] == "cloud" and plan["extra"]["cloud_max_tokens"] == sent < 4096
+    assert plan["leg"] == "cloud" and plan["budget"]["max_tokens"] == sent < 4096
     # What the call may write at most, with its prompt, stays within the budget ($10/M both ways).
-    assert (plan["extra"]["estimated_prompt_tokens"] + sent) * 10 / 1_000_000 <= 0.01
+    assert (plan["sizing"]["estimate"] + sent) * 10 / 1_000_000 <= 0.01
 
 
 @pytest.mark.parametrize("how", ["ainvoke", "messages"])

@@ -109,7 +109,7 @@ def test_a_box_label_is_only_ever_a_configured_box_other_or_the_provider() -> No
     metrics = Metrics(CollectorRegistry())
 
     def record(box: Any) -> Any:
-        return {"extra": {} if box is None else {"box": box}}
+        return {"placement": {} if box is None else {"box": box}}
 
     assert metrics.box(record("http://box-a:8080"), "local:l") == "local:l"  # nothing configured
     metrics.know_boxes(["http://box-a:8080/v1", " "])
@@ -129,7 +129,7 @@ def test_whatever_box_a_record_carries_the_scrape_shows_only_configured_names() 
         record: Any = {
             "kind": "step", "leg": "local", "routed_leg": "local", "provider": "local:l", "attempts": [],
             "cost_usd": 0.0, "prompt_tokens": 10, "cached_tokens": 5, "processed_tokens": 5,
-            "completion_tokens": 1, "extra": {"box": box},
+            "completion_tokens": 1, "placement": {"box": box},
         }  # fmt: skip
         metrics.observe(record, None)
     assert boxes_counted(registry) == {"http://box-a:8080", OTHER_BOX}

@@ -130,14 +130,14 @@ def test_bands_and_placements_name_what_the_dashboard_groups_by() -> None:
         "0-19", "0-19", "20-39", "40-59", "80-100", "80-100", "-"
     ]  # fmt: skip
 
-    def local(**extra: Any) -> Any:
-        return {"leg": "local", "provider": "local:l", "extra": extra}
+    def local(**placement: Any) -> Any:
+        return {"leg": "local", "provider": "local:l", "extra": {}, "placement": placement}
 
     assert placement_of(local()) == "in_process"
-    assert placement_of(local(placement="shared")) == "shared"
+    assert placement_of(local(lease="shared")) == "shared"
     assert placement_of(local(guest=True)) == "guest"
-    assert placement_of(local(placement="unplaced: database down")) == "unplaced"
-    assert placement_of(local(placement="unplaced: database down", guest=True)) == "unplaced"
+    assert placement_of(local(lease="unplaced: database down")) == "unplaced"
+    assert placement_of(local(lease="unplaced: database down", guest=True)) == "unplaced"
     cloud = local()
     cloud["leg"] = "cloud"
     assert placement_of(cloud) is None

@@ -195,8 +195,8 @@ def test_summary_adds_collisions_moves_and_where_the_excess_ran() -> None:
     steps = [
         PlacedStep(StepRecord("swe-x", "cloud", 50, 0, 40), "a", 1),
         _step("a", 2, 0, 0, 1.0, prompt_n=100, minimum=100),
-        _step("b", 2, 0, 0, 2.0, prompt_n=100, minimum=100, notes={"placement": "shared", "guest": True}),
-        _step("a", 4, 1, 0, 3.0, prompt_n=130, minimum=30, notes={"placement": "in-process: down"}),
+        _step("b", 2, 0, 0, 2.0, prompt_n=100, minimum=100, notes={"lease": "shared", "guest": True}),
+        _step("a", 4, 1, 0, 3.0, prompt_n=130, minimum=30, notes={"lease": "in-process: down"}),
     ]
     leaf = summarize_workers(steps, 2)
     assert (leaf["processed_tokens"], leaf["minimum_tokens"], leaf["processed_over_minimum"]) == (
