@@ -21,11 +21,9 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.tools import BaseTool
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph import END, START, StateGraph
-from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
-from langgraph.types import Send
 
-from fusion_graph.context import FusionContext, context_defaults, ensure_context
+from fusion_graph.context import FusionContext, context_defaults
 from fusion_graph.errors import UsageError
 from fusion_graph.internals import untraced_edge
 from fusion_graph.memory import DEFAULT_JOBS, MemoryJob
@@ -36,12 +34,12 @@ from fusion_graph.nodes import (
     MemoryNodes,
     RouteNode,
     SynthesisNode,
+    after_model,
+    after_synthesis,
     give_up,
     memory_on,
-    sends,
     step_limit,
     unavailable,
-    wants_synthesis,
 )
 from fusion_graph.nodes.step import Sizer
 from fusion_graph.nodes.tools import tools_node
@@ -49,34 +47,11 @@ from fusion_graph.providers.chain import ProviderChain
 from fusion_graph.providers.resolver import ProviderResolver
 from fusion_graph.run_queue import FusionGraph, serialised
 from fusion_graph.settings import FusionSettings
-from fusion_graph.sizing.turn import TokenCounter, approximate_tokens, last_batch, pending_calls, wants_tools
-from fusion_graph.state import Answered, InputState, State, check_thread_ttl
+from fusion_graph.sizing.turn import TokenCounter, approximate_tokens
+from fusion_graph.state import InputState, State, check_thread_ttl
 from fusion_graph.tools.workspace import make_workspace_tools
 
 GRAPH_NAME = "fusion"
-
-
-async def after_model(state: Answered, runtime: Runtime[FusionContext]) -> str | list[Send]:
-    """Runnable calls go to ``tools`` (one task each); a rejected batch to ``route``; a reply ends.
-
-    Async like every node: LangGraph would run a sync edge on a worker thread each step.
-    """
-    if state.get("stall"):
-        return "unavailable"
-    messages = state["messages"]
-    pending = pending_calls(messages)
-    if pending:
-        return sends(pending)
-    if wants_tools(last_batch(messages)):
-        return "route"  # every call of the batch was answered (rejected) before running
-    if wants_synthesis(state, ensure_context(runtime.context)):
-        return "synthesis"
-    return "memory" if memory_on(runtime) else END
-
-
-async def after_synthesis(state: Answered, runtime: Runtime[FusionContext]) -> str:
-    """The turn's reply is final: memory jobs (when on), else the end."""
-    return "memory" if memory_on(runtime) else END
 
 
 def build_graph(

@@ -40,6 +40,7 @@ from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, convert
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
+from langgraph.graph import END
 from langgraph.runtime import Runtime
 from langgraph.store.base import BaseStore
 from langgraph.types import Command, Send
@@ -53,6 +54,7 @@ from fusion_graph.memory.background import inference_running
 from fusion_graph.memory.store import namespace_of, shadows_namespace
 from fusion_graph.nodes.memory import Recall, TurnStart
 from fusion_graph.nodes.shadow import ShadowChecks, picked, recorded_elsewhere
+from fusion_graph.nodes.synthesis import wants_synthesis
 from fusion_graph.nodes.tools import check_batch, sends
 from fusion_graph.providers.chain import ROUTE_EVENT, Ask, Bounds, ProviderChain, ask
 from fusion_graph.providers.llama_server import count_prompt_tokens
@@ -104,8 +106,9 @@ from fusion_graph.sizing.turn import (
     step_tally,
     tool_schemas,
     turn_number,
+    wants_tools,
 )
-from fusion_graph.state import PromptAnchor, State
+from fusion_graph.state import Answered, PromptAnchor, State
 
 logger = logging.getLogger(__name__)
 
@@ -1092,3 +1095,23 @@ def _stream_compaction(
             "need_tokens": compaction.need,
         }
     )
+
+
+async def after_model(state: Answered, runtime: Runtime[FusionContext]) -> str | list[Send]:
+    """The edge after an inference: calls to ``tools`` (a task each), a rejected batch to ``route``.
+
+    A stall goes to ``unavailable``; a reply ends the turn (re-written on cloud
+    first, when asked, then the memory jobs). Async like every node: LangGraph
+    would run a sync edge on a worker thread each step.
+    """
+    if state.get("stall"):
+        return "unavailable"
+    messages = state["messages"]
+    pending = pending_calls(messages)
+    if pending:
+        return sends(pending)
+    if wants_tools(last_batch(messages)):
+        return "route"  # every call of the batch was answered (rejected) before running
+    if wants_synthesis(state, ensure_context(runtime.context)):
+        return "synthesis"
+    return "memory" if memory_on(runtime) else END

@@ -16,22 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
+from langgraph.graph import END
 from langgraph.runtime import Runtime
 
 from fusion_graph import prompts
-from fusion_graph.context import FusionContext, ensure_context, thread_id_of
+from fusion_graph.context import FusionContext, ensure_context, memory_on, thread_id_of
 from fusion_graph.errors import ProviderRequestError, StateError
-from fusion_graph.nodes.step import Sizer
 from fusion_graph.providers.chain import ROUTE_EVENT, Ask, Bounds, ask
 from fusion_graph.routing.records import SynthesisRecord, make_record, totals_of
 from fusion_graph.routing.score import Leg, RouteDecision
 from fusion_graph.sizing.turn import build_prompt, last_ai
 from fusion_graph.state import Answered, State
+
+if TYPE_CHECKING:
+    from fusion_graph.nodes.step import Sizer
 
 #: Name of the instruction message sent with the synthesis call (never stored in the thread).
 SYNTHESIS_MESSAGE_NAME = "resynthesize"
@@ -136,3 +139,8 @@ class SynthesisNode:
         )
         runtime.stream_writer({"event": ROUTE_EVENT, "phase": "outcome", **record})
         return {"route_log": [record]}
+
+
+async def after_synthesis(state: Answered, runtime: Runtime[FusionContext]) -> str:
+    """The turn's reply is final: memory jobs (when on), else the end."""
+    return "memory" if memory_on(runtime) else END
