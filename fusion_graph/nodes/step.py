@@ -546,7 +546,7 @@ class StepOrder:
     @classmethod
     def of(cls, plain: Mapping[str, Any]) -> StepOrder:
         """The order ``plain`` (``StepOrder.plain``) describes, rebuilt."""
-        order = _built(plain)
+        order = _built(plain) if isinstance(plain, Mapping) else plain
         if not isinstance(order, cls):
             raise StateError(f"a step runs on the order its routing sent it, not on {type(order).__name__}")
         return order
@@ -556,22 +556,34 @@ class StepOrder:
 KIND_KEY = "__kind__"
 
 
+#: Values a plain form keeps as they are (no call per leaf: an order has some forty).
+_LEAVES: frozenset[type] = frozenset({str, int, float, bool, type(None)})
+#: Each dataclass's fields its constructor takes, by class (``dataclasses.fields`` builds a tuple a call).
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def _plain(value: Any) -> Any:
     """``value`` with every dataclass in it as a dict of its fields plus ``KIND_KEY``."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        plain = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        plain[KIND_KEY] = type(value).__name__
-        return plain
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    return value  # numbers, text, flags and None
+    kind = type(value)
+    names = _FIELDS.get(kind)
+    if names is None:
+        if isinstance(value, dict):
+            return {key: item if type(item) in _LEAVES else _plain(item) for key, item in value.items()}
+        if not dataclasses.is_dataclass(value) or isinstance(value, type):
+            return value
+        names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(value) if f.init)
+    plain: dict[str, Any] = {KIND_KEY: kind.__name__}
+    for name in names:
+        item = getattr(value, name)
+        plain[name] = item if type(item) in _LEAVES else _plain(item)
+    return plain
 
 
-def _built(value: Any) -> Any:
+def _built(value: Mapping[str, Any]) -> Any:
     """``value`` (a ``_plain`` form) with each dict that names a class of an order built as that class."""
-    if not isinstance(value, Mapping):
-        return value
-    fields = {key: _built(item) for key, item in value.items() if key != KIND_KEY}
+    fields = {
+        key: _built(item) if type(item) is dict else item for key, item in value.items() if key != KIND_KEY
+    }
     kind = value.get(KIND_KEY)
     return fields if kind is None else ORDER_PARTS[kind](**fields)
 
