@@ -12,13 +12,12 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
-from langchain_openai.chat_models.base import BaseChatOpenAI
 from pydantic import BaseModel, ValidationError
 
 from fusion_graph import prompts
 from fusion_graph.memory.jobs import MemoryJob, job_prompt
 from fusion_graph.providers.chain import Ask, Bounds, ProviderChain, ask, prime_slot
-from fusion_graph.providers.models import Provider
+from fusion_graph.providers.models import Provider, speaks_openai
 from fusion_graph.providers.placement import Placement, Placer
 from fusion_graph.redact import scrub
 from fusion_graph.routing.records import RouteRecord, make_record
@@ -57,7 +56,7 @@ async def prime_reflection_slot(link: Provider, placement: Placement, timeout_s:
     the same box). Only OpenAI-compatible servers are primed (an injected model
     has no slots to park). Any failure is ignored: the job runs cold.
     """
-    if not isinstance(placement.model or link.model, BaseChatOpenAI):
+    if not speaks_openai(placement.model or link.model):
         return False
     try:
         await prime_slot(link, placement, PRIMER_PROMPT, timeout_s)

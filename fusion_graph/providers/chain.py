@@ -70,7 +70,6 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
-from langchain_openai.chat_models.base import BaseChatOpenAI
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
@@ -922,9 +921,8 @@ def request_kwargs(link: Provider, call: Ask, placement: Placement, bounds: Boun
     max_tokens = bounds.max_tokens.get(link.id, call.max_tokens)
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
-    openai = isinstance(link.model, BaseChatOpenAI)
     body = placement.body(link.leg) or {}
-    if openai:
+    if link.openai_wire:
         body |= call.body
         if placement.headers:
             kwargs["extra_headers"] = dict(placement.headers)

@@ -4,7 +4,9 @@ A ``Provider`` is one answering endpoint of the chain: an id (as recorded in
 ``route_log``), the leg it serves, its chat model, its prices, its window and
 the base URL read once from the model. The chain, the placement, the fit rule
 and the records all take this one class, so what a provider is lives beside
-how it is built and closed.
+how it is built and closed. What kind of client a model is (``speaks_openai``:
+the OpenAI-compatible wire, whose requests carry a llama-server slot's body
+fields and headers) is asked here only, once per provider.
 
 Default models are OpenAI-compatible ``ChatOpenAI`` clients with their own HTTP
 client and no client-side retries: the provider chain is the retry. Closing a
@@ -21,6 +23,7 @@ from typing import Any
 
 from langchain_core.language_models import BaseChatModel
 from langchain_openai import ChatOpenAI
+from langchain_openai.chat_models.base import BaseChatOpenAI
 
 from fusion_graph.errors import ProviderConfigError
 from fusion_graph.providers.http import loop_safe_client
@@ -129,6 +132,15 @@ async def close_chat_model(model: BaseChatModel) -> None:
             await result
 
 
+def speaks_openai(model: BaseChatModel) -> bool:
+    """Whether ``model`` speaks the OpenAI-compatible wire (langchain-openai's client, llama-server's).
+
+    Such a request may carry body fields (a llama-server slot) and headers, and
+    its slot can be primed; any other chat model gets the plain call.
+    """
+    return isinstance(model, BaseChatOpenAI)
+
+
 @dataclass(eq=False)
 class Provider:
     """One answering endpoint of the chain: its id (as recorded in ``route_log``), leg, model and prices.
@@ -147,11 +159,18 @@ class Provider:
     close: Closer = close_chat_model
     window: int | None = None
     base_url: str | None = field(default=None, init=False)
+    openai_wire: bool = field(default=False, init=False)
+    """The model speaks the OpenAI-compatible wire: a request may carry body fields and headers."""
     _closed: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        """Read the model's base URL, price the provider, and register its key for scrubbing."""
-        if isinstance(self.model, ChatOpenAI):  # the OpenAI-compatible wire format
+        """Read the model's kind and base URL once, price the provider, and register its key for scrubbing.
+
+        The one place that asks what kind of client a model is: the chain, the
+        placement and the memory jobs read ``openai_wire`` and ``base_url``.
+        """
+        self.openai_wire = speaks_openai(self.model)
+        if isinstance(self.model, ChatOpenAI):
             self.base_url = self.model.openai_api_base or None
         if self.pricing is None:
             self.pricing = pricing_for(self)

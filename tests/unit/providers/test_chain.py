@@ -589,7 +589,7 @@ async def test_default_closer_closes_private_clients_of_an_unhashable_timeout() 
     assert model.root_async_client.is_closed() and model.root_client.is_closed()
 
 
-def test_a_provider_is_priced_by_its_leg_and_reads_its_base_url_once() -> None:
+def test_a_provider_is_priced_by_its_leg_and_reads_its_kind_and_base_url_once() -> None:
     cloud = ChatOpenAI(model="gpt-4o-mini", api_key="x")
     local = GenericFakeChatModel(messages=answers())
     cloud_link = Provider("cloud:gpt-4o-mini", "cloud", cloud)
@@ -598,6 +598,8 @@ def test_a_provider_is_priced_by_its_leg_and_reads_its_base_url_once() -> None:
     assert local_link.pricing == Pricing.flat(FREE)
     served = Provider("local:served", "local", ChatOpenAI(model="q", api_key="x", base_url=URL))
     assert (cloud_link.base_url, local_link.base_url, served.base_url) == (None, None, URL)
+    # The kind is read once, where the provider is made: only the OpenAI wire carries a slot's body.
+    assert (cloud_link.openai_wire, local_link.openai_wire, served.openai_wire) == (True, False, True)
     assert cloud_link != Provider("cloud:gpt-4o-mini", "cloud", cloud)  # a rebuilt provider is a new one
 
 
