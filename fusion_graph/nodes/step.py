@@ -639,13 +639,15 @@ async def order_step(
     thread_id: str,
     sizes: StepSizes | None = None,
     prefer_provider: str | None = None,
+    chain: ProviderChain | None = None,
 ) -> StepOrder:
     """``decision`` as a step's order: measured (unless ``sizes``), guarded by the budget, shadow picked.
 
     The one budget rule for every step: a cloud step the cloud budget cannot pay
-    for runs local, and the check binds the step's fallover.
+    for runs local, and the check binds the step's fallover. ``chain``: the run's,
+    when the caller resolved it already.
     """
-    chain = await sizer.resolver.chain(context)
+    chain = chain or await sizer.resolver.chain(context)
     anchors = state.get("anchors") or {}
     if sizes is None:
         sizes = await sizer.measure(chain, state.get("messages", []), anchors, context)
@@ -700,6 +702,7 @@ async def decide_step(
         signals=signals,
         thread_id=thread_id,
         sizes=sizes,
+        chain=chain,
     )
     if node is None and order.decision.leg != decision.leg:  # the budget guard moved it local
         order = replace(order, node=order.decision.leg)
@@ -725,15 +728,9 @@ def routing_update(
     return update
 
 
-@dataclass(frozen=True)
-class Routed:
-    """Where the turn goes after a batch: a node, the next wave's ``Send``s, or a step's ``Send``.
-
-    A step on a leg is ``Send(leg, order.plain())``: its order travels with it
-    (and is checkpointed with it), so the executor carries out this very decision.
-    """
-
-    goto: Destination | Send | list[Send | Destination]
+#: Where the turn goes after a batch: a node, the next wave's ``Send``s, or a step's ``Send``
+#: (``Send(leg, order.plain())``: its order travels, and is checkpointed, with it).
+Routed = Destination | Send | list[Send | Destination]
 
 
 class RouteNode:
@@ -757,17 +754,17 @@ class RouteNode:
         """Send the next wave of the batch, end the turn, repair, or route the next step."""
         pending = pending_calls(state["messages"])
         if pending:
-            return Routed(goto=list(sends(pending)))
+            return list(sends(pending))
         if returned_directly(state, self.tools):
-            return Routed(goto="memory" if self.memory_on(runtime) else "__end__")
+            return "memory" if self.memory_on(runtime) else "__end__"
         context = ensure_context(runtime.context)
         step = next_step(state)
         if step >= context.max_steps:
-            return Routed(goto="step_limit")
+            return "step_limit"
         if state.get("repair_error"):
             if state.get("repair_attempts", 0) >= context.max_repair_attempts:
-                return Routed(goto="give_up")
-            return Routed(goto="repair")
+                return "give_up"
+            return "repair"
         tools = list(self.tools.values())
         turn = state.get("turn", 0)
         order = await decide_step(
@@ -776,13 +773,12 @@ class RouteNode:
         sent = Send(order.decision.leg, order.plain())
         every = context.memory_every_k_steps
         if every and step % every == 0 and self.memory_on(runtime):
-            return Routed(goto=[sent, "memory"])  # beside the next step
-        return Routed(goto=sent)
+            return [sent, "memory"]  # beside the next step
+        return sent
 
     async def __call__(self, state: State, runtime: Runtime[FusionContext]) -> Command[Destination]:
         """The ``route`` node: a joined batch's decision, sent on with its order."""
-        routed = await self.decide(state, runtime, thread_id_of(get_config()))
-        return Command(goto=routed.goto)
+        return Command(goto=await self.decide(state, runtime, thread_id_of(get_config())))
 
     async def after_tools(self, state: State, runtime: Runtime[FusionContext], config: RunnableConfig) -> Any:
         """The edge after a tool task: a batch this task completed is routed here, else it joins at ``route``.
@@ -793,7 +789,7 @@ class RouteNode:
         if pending_calls(state["messages"]):
             return "route"
         # An untraced edge: ``get_config`` has no run to read.
-        return (await self.decide(state, runtime, thread_id_of(config))).goto
+        return await self.decide(state, runtime, thread_id_of(config))
 
 
 #: State fields with reducers: what a node writes there is always new.

@@ -65,7 +65,7 @@ class CompactionRecord(TypedDict):
     """What compaction did to make a step fit: the step's compactions added up."""
 
     cleared_tool_outputs: int
-    """Old tool outputs replaced by a placeholder."""
+    """Old tool outputs whose text compaction cleared to fit the window."""
     removed_messages: int
     """Messages dropped from the start of the history."""
     freed_tokens: int
