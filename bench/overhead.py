@@ -18,11 +18,13 @@ agent: the same agent with it (the plan routed to the cloud model, every later
 step to the local one, each recorded) against without it.
 
 ``--floor`` measures what LangGraph alone costs on fusion's shape: a bare graph over
-``fusion_graph.state.State`` with fusion's node names (the idle ones only add channels), a
-node that calls the model and writes what a fusion step writes (its record, step and
-totals), and ``ToolNode`` with one ``Send`` per tool call as fusion sends them; no routing,
-no provider chain, no batch rules, no hooks; against ``create_agent``. What fusion costs
-beyond that floor is its own per-step work.
+``fusion_graph.state.State`` with fusion's node names (the idle ones only add channels) and
+edges: a ``plan`` node, ``ToolNode`` with one ``Send`` per tool call, and after a tool an edge
+that sends the next step to ``local`` with a real step order as its payload, ``local`` reading
+the state as fusion's executor does; both inference nodes call the model and write what a
+fusion step writes (its record, step and totals). No routing rule, no provider chain, no
+batch rules, no hooks; against ``create_agent``. What fusion costs beyond that floor is its
+own per-step work.
 
 ``--warm`` builds each graph once a length, with models that replay the script turn after turn,
 and runs every turn through it on a new thread, as an app that builds its graph once does: a
@@ -52,7 +54,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,7 @@ from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.config import get_config
 from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode
 from langgraph.types import Send
@@ -71,6 +74,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fusion_graph import FusionContext, build_graph
+from fusion_graph.internals import node_state, untraced_edge
 from fusion_graph.state import State
 
 #: Turn lengths measured by default.
@@ -209,10 +213,12 @@ class Shape:
     Attributes:
         nodes: The compiled graph's node names.
         writes: A continuation step's writes other than ``messages`` (its record, step index, totals).
+        order: The payload of a continuation step's ``Send`` (its order, as plain data).
     """
 
     nodes: tuple[str, ...]
     writes: dict[str, Any]
+    order: dict[str, Any]
 
 
 #: Fusion's shape, once read.
@@ -232,34 +238,47 @@ async def fusion_shape() -> Shape:
     )
     context = FusionContext(max_steps=7, sub_runners="off", loop_repeat_limit=100)
     writes: dict[str, Any] = {}
-    async for update in graph.astream(
+    order: dict[str, Any] = {}
+    async for mode, chunk in graph.astream(
         {"messages": [HumanMessage("go")]},
         {"configurable": {"thread_id": "shape"}},
         context=context,
-        stream_mode="updates",
+        stream_mode=["updates", "tasks"],
     ):
-        writes = {k: v for k, v in (update.get("local") or writes).items() if k != "messages"}
+        if mode == "tasks" and chunk.get("name") == "local" and "input" in chunk:
+            order = chunk["input"]
+        elif mode == "updates":
+            writes = {k: v for k, v in (chunk.get("local") or writes).items() if k != "messages"}
     assert set(writes) >= {"route_log", "step", "totals"}, writes
-    _SHAPE.append(Shape(tuple(name for name in graph.nodes if name != START), writes))
+    assert order.get("__kind__") == "StepOrder", order
+    _SHAPE.append(Shape(tuple(name for name in graph.nodes if name != START), writes, order))
     return _SHAPE[0]
 
 
 async def run_floor(steps: int, thread: str) -> float:
     """Seconds one ``steps``-step turn takes through a bare graph of fusion's shape (the floor).
 
-    Fusion's state and node names (all but ``local`` and ``tools`` idle: they only add channels);
-    ``local`` calls the model and writes what a fusion step writes; each tool call is its own
-    ``Send`` to ``ToolNode``. No routing, no provider chain, no batch rules, no hooks.
+    Fusion's state, node names and edges: ``plan`` answers first; after an answer each tool call
+    is its own ``Send`` to ``ToolNode``; after a tool, an edge reads the state and sends the next
+    step to ``local`` with a real step order as its payload, and ``local`` reads the state as
+    fusion's executor does (``internals.node_state``). Both inference nodes call the model and
+    write what a fusion step writes. No routing rule, no provider chain, no batch rules, no hooks.
     """
     shape = await fusion_shape()
     scripted = model(script(steps))
     counted = {"step": 0}
 
-    async def local(state: State) -> dict[str, Any]:
-        counted["step"] += 1
+    async def infer(state: State) -> dict[str, Any]:
         record = {**shape.writes["route_log"][0], "step": counted["step"]}
         update = {**shape.writes, "route_log": [record], "step": counted["step"]}
+        counted["step"] += 1
         return {"messages": [await scripted.ainvoke(state["messages"])], **update}
+
+    async def plan(state: State) -> dict[str, Any]:
+        return await infer(state)
+
+    async def local(state: Mapping[str, Any]) -> dict[str, Any]:  # the payload: its order
+        return await infer(node_state(get_config()))
 
     async def idle(state: State) -> dict[str, Any]:
         return {}
@@ -269,16 +288,21 @@ async def run_floor(steps: int, thread: str) -> float:
         calls = last.tool_calls if isinstance(last, AIMessage) else []
         return [Send("tools", [call]) for call in calls] if calls else END
 
+    async def after_tools(state: State) -> Any:
+        return Send("local", shape.order)
+
     builder = StateGraph(State)
     for name in shape.nodes:
-        if name not in ("local", "tools"):
+        if name not in ("plan", "local", "tools"):
             builder.add_node(name, idle)
             builder.add_edge(name, END)
-    builder.add_node("local", local)
+    builder.add_node("plan", plan)
+    builder.add_node("local", local, input_schema=State)
     builder.add_node("tools", ToolNode([echo]))
-    builder.add_edge(START, "local")
-    builder.add_conditional_edges("local", after, ["tools", END])
-    builder.add_edge("tools", "local")
+    builder.add_edge(START, "plan")
+    for inference in ("plan", "local"):
+        builder.add_conditional_edges(inference, untraced_edge(after), ["tools", END])
+    builder.add_conditional_edges("tools", untraced_edge(after_tools), ["local"])
     graph = builder.compile(checkpointer=InMemorySaver())
     graph_input: Any = {"messages": [HumanMessage("go")]}
     gc.collect()

@@ -121,10 +121,37 @@ def _with_ids(batch: Any, start: int) -> list[Any]:
     return named
 
 
+def tool_result_id(batch_id: str, call_id: str) -> str:
+    """The id of a tool call's result, given where it is made: from its batch's message id and its call id.
+
+    Unique in the thread (message ids are, and call ids within a batch), and the
+    same on every load (it is stored with the write). It spares ``_with_ids``
+    rendering the whole result to derive one.
+    """
+    return str(uuid.uuid5(MESSAGE_IDS, f"result:{batch_id}:{call_id}"))
+
+
 #: The id index of the histories ``add_message_batches`` returned last (the channel hands its
 #: value back at the next update), so a step does not index the whole history again.
 _INDEXES: OrderedDict[int, tuple[list[Any], dict[Any, int]]] = OrderedDict()
 _INDEXES_LOCK = threading.Lock()
+
+
+def _index_of(messages: list[AnyMessage]) -> dict[Any, int] | None:
+    """The id index of ``messages`` when this reducer returned that history lately, else ``None``.
+
+    The channel hands back the list it got; a node reading the state with its own
+    writes (``Send`` tasks, edges) gets a copy of it, the same messages in a new list.
+    """
+    with _INDEXES_LOCK:
+        known = _INDEXES.get(id(messages))
+        if known is not None and known[0] is messages and len(known[1]) == len(messages):
+            return known[1]
+        for seen, where in reversed(_INDEXES.values()):  # a copy: the same message objects, in order
+            same_end = messages and len(seen) == len(messages) == len(where) and seen[-1] is messages[-1]
+            if same_end and seen == messages:
+                return where
+    return None
 
 
 def add_message_batches(messages: list[AnyMessage], batches: Sequence[Any]) -> list[AnyMessage]:
@@ -137,11 +164,8 @@ def add_message_batches(messages: list[AnyMessage], batches: Sequence[Any]) -> l
     error, ``InvalidInput``), and ``REMOVE_ALL_MESSAGES`` starts the history again after it.
     """
     merged = list(messages)
-    known = _INDEXES.get(id(messages))
-    if known is not None and known[0] is messages and len(known[1]) == len(messages):
-        where = dict(known[1])  # the index this reducer built for the list it returned last time
-    else:
-        where = {m.id: i for i, m in enumerate(merged)}
+    index = _index_of(messages)
+    where = dict(index) if index is not None else {m.id: i for i, m in enumerate(merged)}
     for batch in batches:
         named = _with_ids(batch, len(merged))
         cleared = [i for i, m in enumerate(named) if isinstance(m, RemoveMessage) and m.id == REMOVE_ALL]

@@ -318,8 +318,7 @@ class Sizer:
     def budget_of(self, link: Provider, sizes: StepSizes, context: FusionContext) -> int:
         """The completion budget sent to ``link`` (``max_tokens``): at most half its window."""
         budget = completion_budget(context.max_completion_tokens, sizes.windows.get(link.id))
-        own = getattr(link.model, "max_tokens", None)
-        return min(budget, own) if isinstance(own, int) and own > 0 else budget
+        return budget if link.max_tokens is None else min(budget, link.max_tokens)
 
     def cloud_price(
         self,
@@ -572,24 +571,38 @@ def _plain(value: Any) -> Any:
         if not dataclasses.is_dataclass(value) or isinstance(value, type):
             return value
         names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(value) if f.init)
+    own = value.__dict__  # an order's parts are plain dataclasses: their fields are their __dict__
     plain: dict[str, Any] = {KIND_KEY: kind.__name__}
     for name in names:
-        item = getattr(value, name)
+        item = own[name]
         plain[name] = item if type(item) in _LEAVES else _plain(item)
     return plain
 
 
 def _built(value: Mapping[str, Any]) -> Any:
-    """``value`` (a ``_plain`` form) with each dict that names a class of an order built as that class."""
+    """``value`` (a ``_plain`` form) with each dict that names a class of an order built as that class.
+
+    A form with exactly its class's fields (what ``_plain`` wrote) is set on a new
+    instance directly, as ``copy.copy`` does: the parts hold no checks of their own.
+    Any other form goes through the constructor, which fills defaults and refuses
+    unknown fields.
+    """
     fields = {
         key: _built(item) if type(item) is dict else item for key, item in value.items() if key != KIND_KEY
     }
     kind = value.get(KIND_KEY)
-    return fields if kind is None else ORDER_PARTS[kind](**fields)
+    if kind is None:
+        return fields
+    part = ORDER_PARTS[kind]
+    if fields.keys() == _PART_FIELDS[kind]:
+        built: Any = object.__new__(part)
+        built.__dict__.update(fields)
+        return built
+    return part(**fields)
 
 
 #: The classes an order is made of, by name (``_built`` makes each again from its plain form).
-ORDER_PARTS: dict[str, Callable[..., Any]] = {
+ORDER_PARTS: dict[str, type] = {
     part.__name__: part
     for part in (
         StepOrder,
@@ -602,6 +615,10 @@ ORDER_PARTS: dict[str, Callable[..., Any]] = {
         Estimate,
         BudgetCheck,
     )
+}
+#: The fields of each class of an order, by name (its parts have no ``__post_init__``: a test holds it).
+_PART_FIELDS: dict[str, frozenset[str]] = {
+    name: frozenset(f.name for f in dataclasses.fields(part)) for name, part in ORDER_PARTS.items()
 }
 
 

@@ -55,7 +55,8 @@ from fusion_graph.providers.chain import ROUTE_EVENT
 from fusion_graph.redact import scrub_content
 from fusion_graph.routing.records import RouteRecord, records_totals
 from fusion_graph.routing.score import call_key
-from fusion_graph.sizing.turn import CUT_KEY, HistoryMemo, text_tokens, turn_start
+from fusion_graph.sizing.turn import CUT_KEY, HistoryMemo, last_batch, text_tokens, turn_start
+from fusion_graph.state import tool_result_id
 from fusion_graph.telemetry import switch as telemetry
 
 
@@ -83,6 +84,9 @@ async def wrap_tool_call(
         scrubbed = scrub_content(output.content)
         if scrubbed != output.content:
             output = output.model_copy(update={"content": scrubbed})
+        batch = last_batch(state.get("messages") or ())
+        if output.id is None and batch is not None and batch.id:
+            output.id = tool_result_id(batch.id, output.tool_call_id)
     output = cast("ToolMessage | Command[Any]", cap_output(output, context.max_tool_output_tokens))
     if not scope.records:
         return output

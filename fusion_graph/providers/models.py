@@ -161,15 +161,19 @@ class Provider:
     base_url: str | None = field(default=None, init=False)
     openai_wire: bool = field(default=False, init=False)
     """The model speaks the OpenAI-compatible wire: a request may carry body fields and headers."""
+    max_tokens: int | None = field(default=None, init=False)
+    """The model's own completion cap (``max_tokens``), when it sets one: a step never asks for more."""
     _closed: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        """Read the model's kind and base URL once, price the provider, and register its key for scrubbing.
+        """Read the model's kind, base URL and cap once, price the provider, register its key for scrubbing.
 
         The one place that asks what kind of client a model is: the chain, the
         placement and the memory jobs read ``openai_wire`` and ``base_url``.
         """
         self.openai_wire = speaks_openai(self.model)
+        own = getattr(self.model, "max_tokens", None)
+        self.max_tokens = own if isinstance(own, int) and own > 0 else None
         if isinstance(self.model, ChatOpenAI):
             self.base_url = self.model.openai_api_base or None
         if self.pricing is None:

@@ -274,9 +274,31 @@ def approximate_tokens(messages: Sequence[BaseMessage]) -> int:
     return sums[-1]
 
 
+#: Each tool's schema and its canonical JSON, by tool identity (the tool is kept, so its id stays its
+#: own): converting a tool costs more than a step's whole estimate, and every graph of an app binds
+#: the same tool objects. Read-only: callers only send or serialise them.
+_SCHEMAS: dict[int, tuple[object, dict[str, Any], str]] = {}
+
+
+def _schema(tool: BaseTool | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``tool``'s OpenAI-style schema and that schema as canonical JSON (sorted keys)."""
+    if isinstance(tool, dict):  # a plain schema may be changed in place: converted each time
+        schema = convert_to_openai_tool(tool)
+        return schema, json.dumps(schema, sort_keys=True)
+    known = _SCHEMAS.get(id(tool))
+    if known is not None and known[0] is tool:
+        return known[1], known[2]
+    schema = convert_to_openai_tool(tool)
+    canonical = json.dumps(schema, sort_keys=True)
+    if len(_SCHEMAS) > 256:
+        _SCHEMAS.clear()
+    _SCHEMAS[id(tool)] = (tool, schema, canonical)
+    return schema, canonical
+
+
 def tool_schemas(tools: Sequence[BaseTool | dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tools as the OpenAI-style schemas a chat template renders."""
-    return [convert_to_openai_tool(tool) for tool in tools]
+    """The tools as the OpenAI-style schemas a chat template renders (shared: do not change them)."""
+    return [_schema(tool)[0] for tool in tools]
 
 
 @functools.lru_cache(maxsize=64)
@@ -305,8 +327,15 @@ def tool_tokens(tools: Sequence[BaseTool | dict[str, Any]]) -> int:
 
 def build_prompt(system_prompt: str, messages: Sequence[BaseMessage]) -> list[BaseMessage]:
     """The exact message list a step sends: the system prompt, then the history."""
-    head: list[BaseMessage] = [SystemMessage(system_prompt)] if system_prompt else []
-    return head + list(messages)
+    if not system_prompt:
+        return list(messages)
+    return [_system_message(system_prompt), *messages]
+
+
+@functools.lru_cache(maxsize=64)
+def _system_message(system_prompt: str) -> SystemMessage:
+    """The system prompt as a message, made once per prompt (every step of a thread sends it)."""
+    return SystemMessage(system_prompt)
 
 
 def prompt_estimate(
@@ -353,8 +382,8 @@ class Estimate:
 def fingerprint(system_prompt: str, tools: Sequence[BaseTool | dict[str, Any]]) -> str:
     """What a request carries besides the history: the system prompt and the tool schemas."""
     digest = hashlib.sha256(system_prompt.encode())
-    for schema in tool_schemas(tools):
-        digest.update(json.dumps(schema, sort_keys=True).encode())
+    for tool in tools:
+        digest.update(_schema(tool)[1].encode())
     return digest.hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,7 +27,7 @@ from bench.overhead import echo, replayed, script
 from fusion_graph import FusionContext, build_graph
 from fusion_graph.cli.app import app
 from fusion_graph.errors import InvalidInput, UsageError
-from fusion_graph.state import add_message_batches, append_records, state_reader
+from fusion_graph.state import add_message_batches, append_records, state_reader, tool_result_id
 
 DATA = Path(__file__).parent / "data"
 #: A thread of three turns written by the version before delta channels (plain reducer channels).
@@ -82,6 +83,10 @@ async def test_message_ids_are_the_same_when_the_thread_is_loaded_again(tmp_path
             )
         live = [(m.type, m.id) for m in out["messages"]]
         assert all(message_id for _, message_id in live) and len(set(live)) == len(live) == 12
+        # A tool's result is named where it is made, from its batch and call: no render of the result.
+        results = [(before, m) for before, m in pairwise(out["messages"]) if isinstance(m, ToolMessage)]
+        assert len(results) == 3
+        assert all(m.id == tool_result_id(str(before.id), m.tool_call_id) for before, m in results)
     with SqliteSaver.from_conn_string(str(path)) as saver:
         loaded = state_reader(saver).get_state(config).values
     assert [(m.type, m.id) for m in loaded["messages"]] == live
@@ -129,6 +134,25 @@ def test_the_reducers_give_one_history_whatever_the_batches() -> None:
     appended: list[Any] = append_records(records, batches)
     assert appended == [{"turn": t} for t in range(4)]
     assert records == [{"turn": 0}], "the reducer returns a new list"
+
+
+def test_a_copy_of_a_history_is_reduced_as_the_history_itself() -> None:
+    """A node that reads the state with its own writes gets a copy of the history: the same result."""
+    history = add_message_batches([], [[HumanMessage("a", id="h"), AIMessage("b", id="a")]])
+    batch: list[Any] = [AIMessage("b2", id="a"), ToolMessage("c", tool_call_id="x", id="t")]
+    from_copy = add_message_batches(list(history), [batch])
+    assert (
+        _seen(from_copy)
+        == _seen(add_message_batches(history, [batch]))
+        == _seen(_fold(list(history), [batch]))
+    )
+    assert _seen(from_copy) == [("human", "h", "a"), ("ai", "a", "b2"), ("tool", "t", "c")]
+    removed = add_message_batches(list(from_copy), [[RemoveMessage(id="a")]])
+    assert _seen(add_message_batches(list(removed), [[AIMessage("z", id="a")]])) == [
+        ("human", "h", "a"),
+        ("tool", "t", "c"),
+        ("ai", "a", "z"),
+    ]
 
 
 @pytest.fixture(name="before")

@@ -9,6 +9,7 @@ edge made, and decides nothing again.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -171,3 +172,32 @@ def test_an_order_comes_back_from_its_plain_form_whole_with_trouble_signals_and_
     assert back.sizes.estimates["cloud"].appended == 40  # a field equality leaves out still comes back
     with pytest.raises(StateError):
         StepOrder.of({"leg": "cloud"})
+
+
+def test_an_order_part_is_plain_data_so_its_form_may_be_set_on_an_instance_directly() -> None:
+    """``_built`` skips the constructor for a complete form: no part may check or derive anything."""
+    for name, part in step_module.ORDER_PARTS.items():
+        assert dataclasses.is_dataclass(part) and part.__dataclass_params__.frozen, name  # type: ignore[attr-defined]
+        assert not hasattr(part, "__post_init__"), name
+        assert all(f.init for f in dataclasses.fields(part)), name
+        assert not hasattr(part, "__slots__"), name
+
+
+def test_an_order_written_without_a_later_field_gets_its_default() -> None:
+    """A pending ``Send`` stored before a field existed goes through the constructor: defaults filled."""
+    plain = StepOrder(
+        "local",
+        "step",
+        1,
+        0,
+        RouteDecision("local", None, None, "r"),
+        None,
+        StepSizes({}, {}, 4096, "local", "k"),
+        BudgetCheck(),
+    ).plain()
+    del plain["shadow"], plain["prefer_provider"]
+    back = StepOrder.of(plain)
+    assert back.shadow is False and back.prefer_provider is None
+    plain["unknown"] = 1
+    with pytest.raises(TypeError):
+        StepOrder.of(plain)
