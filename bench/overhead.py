@@ -274,9 +274,6 @@ async def run_floor(steps: int, thread: str) -> float:
         counted["step"] += 1
         return {"messages": [await scripted.ainvoke(state["messages"])], **update}
 
-    async def plan(state: State) -> dict[str, Any]:
-        return await infer(state)
-
     async def local(state: Mapping[str, Any]) -> dict[str, Any]:  # the payload: its order
         return await infer(node_state(get_config()))
 
@@ -296,7 +293,7 @@ async def run_floor(steps: int, thread: str) -> float:
         if name not in ("plan", "local", "tools"):
             builder.add_node(name, idle)
             builder.add_edge(name, END)
-    builder.add_node("plan", plan)
+    builder.add_node("plan", infer)
     builder.add_node("local", local, input_schema=State)
     builder.add_node("tools", ToolNode([echo]))
     builder.add_edge(START, "plan")

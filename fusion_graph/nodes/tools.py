@@ -84,8 +84,8 @@ async def wrap_tool_call(
         scrubbed = scrub_content(output.content)
         if scrubbed != output.content:
             output = output.model_copy(update={"content": scrubbed})
-        batch = last_batch(state.get("messages") or ())
-        if output.id is None and batch is not None and batch.id:
+        batch = last_batch(state.get("messages") or ()) if output.id is None else None
+        if batch is not None and batch.id:
             output.id = tool_result_id(batch.id, output.tool_call_id)
     output = cast("ToolMessage | Command[Any]", cap_output(output, context.max_tool_output_tokens))
     if not scope.records:
